@@ -1,0 +1,129 @@
+"""Domain errors and their gRPC status mapping, in one place.
+
+Domain code raises these; servicers turn them into rich statuses (``google.rpc.Status`` with
+``BadRequest`` or ``RetryInfo`` details) through :func:`to_rpc_status`. Anything else that
+escapes a handler is a bug and becomes INTERNAL.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf import duration_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+
+
+@dataclass(frozen=True)
+class FieldViolation:
+    """One bad field, addressed like ``messages[0].parts[1].image.data``."""
+
+    field: str
+    description: str
+
+
+class EpdError(Exception):
+    """Base of all errors that map to a deliberate gRPC status."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
+
+
+class InvalidArgument(EpdError):
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, message: str, violations: list[FieldViolation] | None = None):
+        super().__init__(message)
+        self.violations = violations or []
+
+    @classmethod
+    def for_field(cls, field: str, description: str) -> InvalidArgument:
+        return cls(f"{field}: {description}", [FieldViolation(field, description)])
+
+
+class FailedPrecondition(EpdError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class NotFound(EpdError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class AlreadyExists(EpdError):
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class Unimplemented(EpdError):
+    code = grpc.StatusCode.UNIMPLEMENTED
+
+
+class DeadlineExceeded(EpdError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Unavailable(EpdError):
+    """A peer is down or this service is draining; the only code clients should retry."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class ResourceExhausted(EpdError):
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str, retry_after_s: float = 1.0):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+def to_rpc_status(error: EpdError) -> status_pb2.Status:
+    """Builds the rich status for an error: the code, the message and typed details."""
+    status = status_pb2.Status(code=error.code.value[0], message=error.message)
+    if isinstance(error, InvalidArgument) and error.violations:
+        detail = error_details_pb2.BadRequest(
+            field_violations=[
+                error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
+                for v in error.violations
+            ]
+        )
+        status.details.add().Pack(detail)
+    if isinstance(error, ResourceExhausted):
+        delay = duration_pb2.Duration()
+        delay.FromNanoseconds(int(error.retry_after_s * 1e9))
+        status.details.add().Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+    return status
+
+
+def internal_status(message: str) -> status_pb2.Status:
+    return status_pb2.Status(code=code_pb2.INTERNAL, message=message)
+
+
+def from_rpc_error(error: grpc.aio.AioRpcError, *, peer: str) -> EpdError:
+    """Re-raises a downstream stage's failure as the matching domain error.
+
+    Client mistakes keep their code and field details, so a caller sees exactly what the stage
+    rejected; a stage that cannot be reached or crashed becomes UNAVAILABLE (retryable).
+    """
+    from grpc_status import rpc_status
+
+    code = error.code()
+    message = f"{peer}: {error.details()}"
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        violations = []
+        status = rpc_status.from_call(error)
+        for detail in status.details if status else []:
+            bad_request = error_details_pb2.BadRequest()
+            if detail.Unpack(bad_request):
+                violations += [FieldViolation(v.field, v.description) for v in bad_request.field_violations]
+        return InvalidArgument(message, violations)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return ResourceExhausted(message)
+    if code == grpc.StatusCode.FAILED_PRECONDITION:
+        return FailedPrecondition(message)
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return Unimplemented(message)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceeded(message)
+    return Unavailable(message)

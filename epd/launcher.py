@@ -1,0 +1,160 @@
+"""Starts EPD services as subprocesses on loopback with ephemeral ports (``epd up``, tests).
+
+Each service binds port 0 and prints ``EPD_LISTENING {...}`` then ``EPD_READY {...}`` on
+stdout; the launcher reads those lines, so no port is guessed and none can collide.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+logger = logging.getLogger(__name__)
+
+
+class ServiceProcess:
+    """One service subprocess and what it has announced."""
+
+    def __init__(self, name: str, args: list[str], *, log_dir: pathlib.Path, env: dict[str, str] | None = None):
+        self.name = name
+        self.log_path = log_dir / f"{name}.log"
+        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.port: int | None = None
+        self.metrics_port: int | None = None
+        self.ready = threading.Event()
+        self.announcements: list[str] = []
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "epd.cli", *args],
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
+        self._reader = threading.Thread(target=self._read_stdout, name=f"{name}-stdout", daemon=True)
+        self._reader.start()
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def _read_stdout(self) -> None:
+        for line in self.process.stdout:
+            self.announcements.append(line.rstrip())
+            if line.startswith("EPD_LISTENING "):
+                info = json.loads(line.split(" ", 1)[1])
+                self.port, self.metrics_port = info["port"], info["metrics_port"]
+            elif line.startswith("EPD_READY "):
+                self.ready.set()
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.ready.wait(0.2):
+            if self.process.poll() is not None:
+                raise RuntimeError(f"{self.name} exited with {self.process.returncode}; log {self.log_path}:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} not ready after {timeout:.0f}s; log {self.log_path}:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 40) -> str:
+        self._log.flush()
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def stop(self, timeout: float = 20) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._log.close()
+
+
+class Stack:
+    """A set of services started together and stopped in reverse order."""
+
+    def __init__(self, log_dir: str | pathlib.Path | None = None):
+        self.log_dir = pathlib.Path(log_dir or tempfile.mkdtemp(prefix="epd-logs-"))
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.services: list[ServiceProcess] = []
+
+    def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> ServiceProcess:
+        service = ServiceProcess(name, args, log_dir=self.log_dir, env=env)
+        self.services.append(service)
+        return service
+
+    def wait_ready(self, services: list[ServiceProcess], timeout: float = 300) -> None:
+        for service in services:
+            service.wait_ready(timeout)
+
+    def stop(self) -> None:
+        for service in reversed(self.services):
+            service.stop()
+        self.services.clear()
+
+
+def start_disaggregated(stack: Stack, model: str, mode: str, *, encoders: int = 1, prefills: int = 1, decodes: int = 1, encoder_args=(), gateway_args=()) -> ServiceProcess:
+    """Starts encoders, prefills (E/P/D only), decodes and a gateway; returns the gateway."""
+    model_flag = ["--model", model]
+    stage = [stack.start(f"encoder{i}", ["encoder", *model_flag, *encoder_args]) for i in range(encoders)]
+    pre = [stack.start(f"prefill{i}", ["prefill", *model_flag]) for i in range(prefills if mode == "epd" else 0)]
+    dec_mode = "decode" if mode == "epd" else "combined"
+    dec = [stack.start(f"decode{i}", ["decode", *model_flag, "--mode", dec_mode]) for i in range(decodes)]
+    stack.wait_ready(stage + pre + dec)
+    addresses = [arg for s in stage for arg in ("--encoder", s.address)]
+    addresses += [arg for s in pre for arg in ("--prefill", s.address)]
+    addresses += [arg for s in dec for arg in ("--decode", s.address)]
+    gateway = stack.start(f"gateway-{mode}", ["gateway", *model_flag, "--mode", mode, *addresses, *gateway_args])
+    stack.wait_ready([gateway])
+    return gateway
+
+
+def start_monolithic(stack: Stack, model: str) -> ServiceProcess:
+    gateway = stack.start("gateway-monolithic", ["gateway", "--model", model, "--mode", "monolithic"])
+    stack.wait_ready([gateway])
+    return gateway
+
+
+def up_cli(args) -> int:
+    """``epd up``: the whole stack on loopback; with --demo, one streamed image request."""
+    import asyncio
+
+    from epd.checkpoints import ensure_tiny_checkpoint
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    model = args.model or str(ensure_tiny_checkpoint(args.family, pathlib.Path("checkpoints")))
+    stack = Stack()
+    print(f"[epd up] model={model} mode={args.mode}; logs in {stack.log_dir}", flush=True)
+    try:
+        if args.mode == "monolithic":
+            gateway = start_monolithic(stack, model)
+        else:
+            gateway = start_disaggregated(stack, model, args.mode, encoders=args.encoders, prefills=args.prefills, decodes=args.decodes)
+        for service in stack.services:
+            print(f"[epd up] {service.name:<20} {service.address}", flush=True)
+        if args.demo:
+            return asyncio.run(_demo(gateway.address))
+        print(f"[epd up] ready: epd generate --gateway {gateway.address} --image cat.png 'Describe this'  (Ctrl-C stops)", flush=True)
+        while all(s.process.poll() is None for s in stack.services):
+            time.sleep(1)
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    finally:
+        stack.stop()
+
+
+async def _demo(address: str) -> int:
+    from epd.client import generate_cli
+    from epd.testing import synthetic_image_png
+
+    image = pathlib.Path(tempfile.mkdtemp()) / "demo.png"
+    image.write_bytes(synthetic_image_png(160, 120, seed=1))
+    print(f"[epd up] demo: Generate with {image} (160x120) streamed through {address}:", flush=True)
+    return await generate_cli(address, "Describe this image.", [image], max_tokens=24, temperature=0.0)

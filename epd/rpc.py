@@ -1,0 +1,76 @@
+"""Servicer-side error handling: one decorator maps domain errors to rich gRPC statuses.
+
+Every RPC handler is wrapped, so a handler body never builds a status itself, an unexpected
+exception is logged and becomes INTERNAL (a bug), and the request counter is always updated.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+
+import grpc
+from grpc_status import rpc_status
+
+from epd import telemetry
+from epd.errors import EpdError, internal_status, to_rpc_status
+
+logger = logging.getLogger(__name__)
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: EpdError | None, exc: BaseException) -> None:
+    status = to_rpc_status(error) if error is not None else internal_status(f"internal error: {type(exc).__name__}: {exc}")
+    await context.abort_with_status(rpc_status.to_status(status))
+
+
+def rpc_method(service: str):
+    """Decorates a unary or server-streaming aio handler ``(self, request, context)``."""
+
+    def decorate(handler):
+        method = handler.__name__
+
+        def record(code: grpc.StatusCode) -> None:
+            telemetry.REQUESTS.labels(service=service, method=method, code=code.name).inc()
+
+        async def handle_failure(context, exc: BaseException) -> None:
+            if isinstance(exc, EpdError):
+                logger.info("%s.%s failed: %s %s", service, method, exc.code.name, exc.message)
+                record(exc.code)
+                await _abort(context, exc, exc)
+            else:
+                logger.exception("%s.%s crashed", service, method)
+                record(grpc.StatusCode.INTERNAL)
+                await _abort(context, None, exc)
+
+        if inspect.isasyncgenfunction(handler):
+
+            @functools.wraps(handler)
+            async def stream_wrapper(self, request, context):
+                telemetry.IN_FLIGHT.labels(service=service).inc()
+                try:
+                    async for response in handler(self, request, context):
+                        yield response
+                    record(grpc.StatusCode.OK)
+                except Exception as exc:  # noqa: BLE001 - mapped to a status right here
+                    await handle_failure(context, exc)
+                finally:
+                    telemetry.IN_FLIGHT.labels(service=service).dec()
+
+            return stream_wrapper
+
+        @functools.wraps(handler)
+        async def unary_wrapper(self, request, context):
+            telemetry.IN_FLIGHT.labels(service=service).inc()
+            try:
+                response = await handler(self, request, context)
+                record(grpc.StatusCode.OK)
+                return response
+            except Exception as exc:  # noqa: BLE001 - mapped to a status right here
+                await handle_failure(context, exc)
+            finally:
+                telemetry.IN_FLIGHT.labels(service=service).dec()
+
+        return unary_wrapper
+
+    return decorate

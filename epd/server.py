@@ -1,0 +1,117 @@
+"""The gRPC host every service runs in: one place for server options, health, reflection,
+tracing, metrics, readiness and ordered shutdown.
+
+Lifecycle: listen first with the service NOT_SERVING (liveness "" is SERVING), load the model,
+then flip to SERVING. On SIGTERM/SIGINT: NOT_SERVING first (so load balancers and mesh
+sidecars stop routing here), then stop accepting with a grace period so in-flight streams can
+finish, then release the engine. Kubernetes probes use the standard grpc.health.v1 service:
+``""`` for liveness, the full service name for readiness.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import signal
+import sys
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from epd import telemetry
+
+logger = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+# Channel/server options shared by servers and clients. Symmetric, explicit limits (never -1):
+# inline embeddings and media must fit, and a peer cannot make us buffer more than this.
+GRPC_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # Accept client keepalive pings as often as every 10 s, even between calls, so idle
+    # connections through meshes and NATs stay open without the server sending GOAWAY.
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+# Client side: ping every 30 s (well above the servers' 10 s floor) to detect dead peers.
+CLIENT_OPTIONS: list[tuple[str, int]] = GRPC_OPTIONS + [
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 binds an ephemeral port, reported on stdout
+    metrics_port: int | None = None
+    otlp_endpoint: str | None = None
+    grace_s: float = 5.0
+
+
+class GrpcHost:
+    """An aio server with health, reflection and tracing, for one EPD service."""
+
+    def __init__(self, config: ServerConfig, *, service_name: str, full_service_name: str):
+        from opentelemetry.instrumentation.grpc import aio_server_interceptor
+
+        telemetry.configure_tracing(service_name, config.otlp_endpoint)
+        self.config = config
+        self.service_name = service_name
+        self.full_service_name = full_service_name
+        self.server = grpc.aio.server(interceptors=[aio_server_interceptor()], options=GRPC_OPTIONS)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        reflection.enable_server_reflection(
+            (full_service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
+        )
+        self.port = 0
+        self._stop = asyncio.Event()
+
+    async def start(self) -> None:
+        """Listens; liveness SERVING, readiness NOT_SERVING until :meth:`set_ready`."""
+        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        await self.server.start()
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING, liveness=True)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        metrics_port = telemetry.start_metrics_server(self.config.metrics_port, self.config.host)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self._stop.set)
+        # Launchers (epd up, tests) read this line to learn the ephemeral ports.
+        print(
+            "EPD_LISTENING " + json.dumps({"service": self.service_name, "port": self.port, "metrics_port": metrics_port}),
+            flush=True,
+        )
+        logger.info("%s listening on %s:%d (loading)", self.service_name, self.config.host, self.port)
+
+    async def set_ready(self) -> None:
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        print("EPD_READY " + json.dumps({"service": self.service_name}), flush=True)
+        logger.info("%s ready", self.service_name)
+
+    async def wait_for_termination(self) -> None:
+        await self._stop.wait()
+
+    async def stop(self) -> None:
+        """Drains: readiness off first, then stop accepting and let streams finish."""
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING, liveness=True)
+        await self.server.stop(self.config.grace_s)
+        logger.info("%s stopped", self.service_name)
+
+    async def _set_health(self, status, *, liveness: bool = False) -> None:
+        await self.health.set("" if liveness else self.full_service_name, status)
+
+
+def configure_logging(level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=level,
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )

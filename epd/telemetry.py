@@ -1,0 +1,62 @@
+"""Tracing and metrics setup, in one place.
+
+Traces: OpenTelemetry, with W3C ``traceparent`` carried in gRPC metadata by the OTel gRPC
+interceptors on every server and client, so a request is one trace across gateway, encoder,
+prefill and decode. Spans are exported over OTLP when an endpoint is configured; otherwise they
+are still created (context still propagates) and dropped.
+
+Metrics: Prometheus, all named ``epd_*`` (no colons), latencies in vLLM's vocabulary: TTFT,
+TPOT, ITL, E2EL.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from opentelemetry import trace
+from prometheus_client import Counter, Gauge, Histogram
+
+logger = logging.getLogger(__name__)
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+
+REQUESTS = Counter("epd_requests_total", "RPCs handled, by service, method and status code", ["service", "method", "code"])
+STAGE_SECONDS = Histogram("epd_stage_seconds", "Time spent in each pipeline stage", ["stage"], buckets=_LATENCY_BUCKETS)
+TTFT_SECONDS = Histogram("epd_ttft_seconds", "Time to first token, seen by the gateway", buckets=_LATENCY_BUCKETS)
+TPOT_SECONDS = Histogram("epd_tpot_seconds", "Mean time per output token after the first, per request", buckets=_LATENCY_BUCKETS)
+ITL_SECONDS = Histogram("epd_itl_seconds", "Inter-token latency between streamed deltas", buckets=_LATENCY_BUCKETS)
+E2EL_SECONDS = Histogram("epd_e2el_seconds", "End-to-end request latency, seen by the gateway", buckets=_LATENCY_BUCKETS)
+IN_FLIGHT = Gauge("epd_requests_in_flight", "Requests being served", ["service"])
+ENCODER_BATCH_ITEMS = Histogram("epd_encoder_batch_items", "Media items per encoder forward pass", buckets=(1, 2, 4, 8, 16, 32, 64))
+ARENA_LEASES = Gauge("epd_arena_leases", "Live embedding leases in the encoder's NIXL arena")
+NIXL_READ_SECONDS = Histogram("epd_nixl_read_seconds", "Embedding fetch time over NIXL, per request", buckets=_LATENCY_BUCKETS)
+NIXL_READ_BYTES = Counter("epd_nixl_read_bytes_total", "Embedding bytes read over NIXL")
+
+
+def configure_tracing(service_name: str, otlp_endpoint: str | None) -> None:
+    """Installs the global tracer provider for this process."""
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import TracerProvider
+
+    provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
+    if otlp_endpoint:
+        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+
+        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True)))
+        logger.info("exporting traces to %s", otlp_endpoint)
+    trace.set_tracer_provider(provider)
+
+
+def tracer(name: str) -> trace.Tracer:
+    return trace.get_tracer(name)
+
+
+def start_metrics_server(port: int | None, host: str) -> int | None:
+    """Serves /metrics over HTTP; returns the bound port (None when disabled)."""
+    if port is None:
+        return None
+    from prometheus_client import start_http_server
+
+    server, _ = start_http_server(port, addr=host)
+    return server.server_port

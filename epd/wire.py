@@ -1,0 +1,383 @@
+"""Protobuf <-> domain conversion, in one place. Servicers call these at the edge; nothing
+behind them sees a protobuf message. Parsing functions validate and raise
+:class:`~epd.errors.InvalidArgument` with field paths relative to the request."""
+
+from __future__ import annotations
+
+import uuid
+
+from google.protobuf import json_format, timestamp_pb2
+
+from epd.domain import (
+    ChatMessage,
+    EncodedItem,
+    EngineRequest,
+    FinishReason,
+    GenerateRequest,
+    GridThw,
+    InlineEmbedding,
+    ItemMetadata,
+    KvHandoff,
+    MediaInput,
+    Modality,
+    Role,
+    Sampling,
+    TextPart,
+    TokenRange,
+)
+from epd.errors import FieldViolation, InvalidArgument
+from epd.transport.nixl import NixlRegion
+from epd.v1 import (
+    common_pb2,
+    decode_pb2,
+    encoder_pb2,
+    engine_pb2,
+    gateway_pb2,
+    multimodal_pb2,
+    prefill_pb2,
+)
+
+_MODALITY_FROM_WIRE = {
+    multimodal_pb2.MODALITY_IMAGE: Modality.IMAGE,
+    multimodal_pb2.MODALITY_VIDEO: Modality.VIDEO,
+    multimodal_pb2.MODALITY_AUDIO: Modality.AUDIO,
+}
+_MODALITY_TO_WIRE = {v: k for k, v in _MODALITY_FROM_WIRE.items()}
+_DTYPE_FROM_WIRE = {
+    multimodal_pb2.TENSOR_DTYPE_FLOAT32: "float32",
+    multimodal_pb2.TENSOR_DTYPE_FLOAT16: "float16",
+    multimodal_pb2.TENSOR_DTYPE_BFLOAT16: "bfloat16",
+}
+_DTYPE_TO_WIRE = {v: k for k, v in _DTYPE_FROM_WIRE.items()}
+_FINISH_TO_WIRE = {
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: common_pb2.FINISH_REASON_ABORT,
+}
+_FINISH_FROM_WIRE = {v: k for k, v in _FINISH_TO_WIRE.items()}
+_ROLE_FROM_WIRE = {
+    gateway_pb2.ROLE_UNSPECIFIED: Role.USER,
+    gateway_pb2.ROLE_SYSTEM: Role.SYSTEM,
+    gateway_pb2.ROLE_USER: Role.USER,
+    gateway_pb2.ROLE_ASSISTANT: Role.ASSISTANT,
+}
+_ROLE_TO_WIRE = {Role.SYSTEM: gateway_pb2.ROLE_SYSTEM, Role.USER: gateway_pb2.ROLE_USER, Role.ASSISTANT: gateway_pb2.ROLE_ASSISTANT}
+_MEDIA_FIELDS = {"image": Modality.IMAGE, "video": Modality.VIDEO, "audio": Modality.AUDIO}
+
+
+# ---- sampling ---------------------------------------------------------------------------
+
+
+def sampling_from_wire(msg: common_pb2.SamplingParams, field: str = "sampling") -> Sampling:
+    violations = []
+    if msg.max_tokens < 1:
+        violations.append(FieldViolation(f"{field}.max_tokens", "must be at least 1"))
+    if msg.HasField("temperature") and msg.temperature < 0:
+        violations.append(FieldViolation(f"{field}.temperature", "must be >= 0"))
+    if msg.HasField("top_p") and not 0 < msg.top_p <= 1:
+        violations.append(FieldViolation(f"{field}.top_p", "must be in (0, 1]"))
+    if msg.HasField("top_k") and (msg.top_k == 0 or msg.top_k < -1):
+        violations.append(FieldViolation(f"{field}.top_k", "must be -1 (disabled) or >= 1"))
+    if any(not s for s in msg.stop):
+        violations.append(FieldViolation(f"{field}.stop", "must not contain empty strings"))
+    if violations:
+        raise InvalidArgument("invalid sampling parameters", violations)
+    return Sampling(
+        max_tokens=msg.max_tokens,
+        temperature=msg.temperature if msg.HasField("temperature") else None,
+        top_p=msg.top_p if msg.HasField("top_p") else None,
+        top_k=msg.top_k if msg.HasField("top_k") else None,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop=tuple(msg.stop),
+    )
+
+
+def sampling_to_wire(sampling: Sampling) -> common_pb2.SamplingParams:
+    msg = common_pb2.SamplingParams(max_tokens=sampling.max_tokens, stop=list(sampling.stop))
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        value = getattr(sampling, name)
+        if value is not None:
+            setattr(msg, name, value)
+    return msg
+
+
+def finish_reason_to_wire(reason: FinishReason) -> int:
+    return _FINISH_TO_WIRE[reason]
+
+
+def finish_reason_from_wire(value: int) -> FinishReason:
+    return _FINISH_FROM_WIRE[value]
+
+
+# ---- public API -------------------------------------------------------------------------
+
+
+def generate_request_from_wire(msg: gateway_pb2.GenerateRequest) -> GenerateRequest:
+    """Validates a public request; every problem found is reported at once."""
+    violations: list[FieldViolation] = []
+    messages: list[ChatMessage] = []
+    has_content = False
+    if not msg.messages:
+        violations.append(FieldViolation("messages", "must contain at least one message"))
+    for mi, message in enumerate(msg.messages):
+        parts: list = []
+        if message.role not in _ROLE_FROM_WIRE:
+            violations.append(FieldViolation(f"messages[{mi}].role", f"unknown role {message.role}"))
+        if not message.parts:
+            violations.append(FieldViolation(f"messages[{mi}].parts", "must contain at least one part"))
+        for pi, part in enumerate(message.parts):
+            field = f"messages[{mi}].parts[{pi}]"
+            kind = part.WhichOneof("content")
+            if kind is None:
+                violations.append(FieldViolation(field, "has no content"))
+            elif kind == "text":
+                has_content = has_content or bool(part.text.strip())
+                parts.append(TextPart(part.text))
+            else:
+                media = getattr(part, kind)
+                if not media.data:
+                    violations.append(FieldViolation(f"{field}.{kind}.data", "is empty"))
+                if not media.mime_type:
+                    violations.append(FieldViolation(f"{field}.{kind}.mime_type", "is required"))
+                has_content = True
+                parts.append(MediaInput(_MEDIA_FIELDS[kind], media.data, media.mime_type.lower(), MediaInput.hash_bytes(media.data)))
+        messages.append(ChatMessage(_ROLE_FROM_WIRE.get(message.role, Role.USER), tuple(parts)))
+    if msg.messages and not has_content:
+        violations.append(FieldViolation("messages", "the prompt is empty: no text and no media"))
+    try:
+        sampling = sampling_from_wire(msg.sampling)
+    except InvalidArgument as exc:
+        violations += exc.violations
+    if violations:
+        raise InvalidArgument("invalid GenerateRequest: " + "; ".join(f"{v.field} {v.description}" for v in violations), violations)
+    return GenerateRequest(request_id=msg.request_id or uuid.uuid4().hex, messages=tuple(messages), sampling=sampling)
+
+
+def media_paths(msg_or_request: GenerateRequest) -> list[str]:
+    """Public field paths of each media item, in prompt order (for remapping stage errors)."""
+    paths = []
+    for mi, message in enumerate(msg_or_request.messages):
+        for pi, part in enumerate(message.parts):
+            if isinstance(part, MediaInput):
+                paths.append(f"messages[{mi}].parts[{pi}].{part.modality.value}")
+    return paths
+
+
+def generate_request_to_wire(request: GenerateRequest) -> gateway_pb2.GenerateRequest:
+    """Builds a public request (used by the CLI client and tests)."""
+    messages = []
+    for message in request.messages:
+        parts = []
+        for part in message.parts:
+            if isinstance(part, TextPart):
+                parts.append(gateway_pb2.ContentPart(text=part.text))
+            else:
+                media = gateway_pb2.Media(data=part.data, mime_type=part.mime_type)
+                parts.append(gateway_pb2.ContentPart(**{part.modality.value: media}))
+        messages.append(gateway_pb2.ChatMessage(role=_ROLE_TO_WIRE[message.role], parts=parts))
+    return gateway_pb2.GenerateRequest(request_id=request.request_id, messages=messages, sampling=sampling_to_wire(request.sampling))
+
+
+# ---- encoder ----------------------------------------------------------------------------
+
+
+def media_items_to_wire(items: list[MediaInput]) -> list[encoder_pb2.MediaItem]:
+    return [
+        encoder_pb2.MediaItem(modality=_MODALITY_TO_WIRE[i.modality], data=i.data, mime_type=i.mime_type, content_hash=i.content_hash)
+        for i in items
+    ]
+
+
+def media_items_from_wire(items) -> list[MediaInput]:
+    violations = []
+    result = []
+    for index, item in enumerate(items):
+        if item.modality not in _MODALITY_FROM_WIRE:
+            violations.append(FieldViolation(f"items[{index}].modality", "must be set"))
+            continue
+        if not item.data:
+            violations.append(FieldViolation(f"items[{index}].data", "is empty"))
+        content_hash = item.content_hash or MediaInput.hash_bytes(item.data)
+        result.append(MediaInput(_MODALITY_FROM_WIRE[item.modality], item.data, item.mime_type.lower(), content_hash))
+    if not items:
+        violations.append(FieldViolation("items", "must contain at least one item"))
+    if violations:
+        raise InvalidArgument("invalid EncodeRequest", violations)
+    return result
+
+
+# ---- metadata and handles ---------------------------------------------------------------
+
+
+def metadata_to_wire(meta: ItemMetadata) -> multimodal_pb2.MultimodalMetadata:
+    msg = multimodal_pb2.MultimodalMetadata(
+        modality=_MODALITY_TO_WIRE[meta.modality],
+        content_hash=meta.content_hash,
+        placeholder_token_id=meta.placeholder_token_id,
+        placeholder_count=meta.placeholder_count,
+        video_timestamps_s=list(meta.video_timestamps_s),
+        audio_feature_length=meta.audio_feature_length,
+        audio_token_count=meta.audio_token_count,
+        embedding_shape=list(meta.embedding_shape),
+        embedding_dtype=_DTYPE_TO_WIRE[meta.embedding_dtype],
+    )
+    if meta.grid_thw is not None:
+        msg.grid_thw.CopyFrom(multimodal_pb2.GridThw(t=meta.grid_thw.t, h=meta.grid_thw.h, w=meta.grid_thw.w))
+    if meta.placeholder_range is not None:
+        msg.placeholder_range.CopyFrom(multimodal_pb2.TokenRange(offset=meta.placeholder_range.offset, length=meta.placeholder_range.length))
+    if meta.engine_extras:
+        msg.engine_extras.update(meta.engine_extras)
+    return msg
+
+
+def metadata_from_wire(msg: multimodal_pb2.MultimodalMetadata, field: str) -> ItemMetadata:
+    violations = []
+    if msg.modality not in _MODALITY_FROM_WIRE:
+        violations.append(FieldViolation(f"{field}.modality", "must be set"))
+    if msg.embedding_dtype not in _DTYPE_FROM_WIRE:
+        violations.append(FieldViolation(f"{field}.embedding_dtype", "must be set"))
+    if not msg.content_hash:
+        violations.append(FieldViolation(f"{field}.content_hash", "is required"))
+    if violations:
+        raise InvalidArgument("invalid multimodal metadata", violations)
+    return ItemMetadata(
+        modality=_MODALITY_FROM_WIRE[msg.modality],
+        content_hash=msg.content_hash,
+        placeholder_token_id=msg.placeholder_token_id,
+        placeholder_count=msg.placeholder_count,
+        embedding_shape=tuple(msg.embedding_shape),
+        embedding_dtype=_DTYPE_FROM_WIRE[msg.embedding_dtype],
+        grid_thw=GridThw(msg.grid_thw.t, msg.grid_thw.h, msg.grid_thw.w) if msg.HasField("grid_thw") else None,
+        placeholder_range=TokenRange(msg.placeholder_range.offset, msg.placeholder_range.length) if msg.HasField("placeholder_range") else None,
+        video_timestamps_s=tuple(msg.video_timestamps_s),
+        audio_feature_length=msg.audio_feature_length,
+        audio_token_count=msg.audio_token_count,
+        engine_extras=json_format.MessageToDict(msg.engine_extras) if msg.HasField("engine_extras") else {},
+    )
+
+
+def _handle_to_wire(location) -> multimodal_pb2.EmbeddingHandle:
+    if isinstance(location, InlineEmbedding):
+        return multimodal_pb2.EmbeddingHandle(inline=multimodal_pb2.InlineEmbedding(data=location.data))
+    expires = timestamp_pb2.Timestamp()
+    expires.FromMilliseconds(location.expires_at_unix_ms)
+    return multimodal_pb2.EmbeddingHandle(
+        nixl=multimodal_pb2.NixlEmbedding(
+            agent_name=location.agent_name,
+            agent_address=location.agent_address,
+            descriptors=location.descriptors,
+            nbytes=location.nbytes,
+            lease_id=location.lease_id,
+            expires_at=expires,
+        )
+    )
+
+
+def _handle_from_wire(msg: multimodal_pb2.EmbeddingHandle):
+    kind = msg.WhichOneof("transport")
+    if kind == "inline":
+        return InlineEmbedding(msg.inline.data)
+    if kind == "nixl":
+        n = msg.nixl
+        return NixlRegion(
+            agent_name=n.agent_name,
+            agent_address=n.agent_address,
+            descriptors=n.descriptors,
+            nbytes=n.nbytes,
+            lease_id=n.lease_id,
+            expires_at_unix_ms=n.expires_at.ToMilliseconds(),
+        )
+    return None
+
+
+def encoded_item_to_wire(item: EncodedItem, *, with_embedding: bool = True) -> multimodal_pb2.EncodedItem:
+    msg = multimodal_pb2.EncodedItem(metadata=metadata_to_wire(item.metadata))
+    if with_embedding and item.embedding is not None:
+        msg.embedding.CopyFrom(_handle_to_wire(item.embedding))
+    return msg
+
+
+def encoded_item_from_wire(msg: multimodal_pb2.EncodedItem, field: str) -> EncodedItem:
+    return EncodedItem(metadata_from_wire(msg.metadata, f"{field}.metadata"), _handle_from_wire(msg.embedding))
+
+
+def encoded_items_from_wire(items) -> list[EncodedItem]:
+    return [encoded_item_from_wire(item, f"items[{i}]") for i, item in enumerate(items)]
+
+
+# ---- engine requests --------------------------------------------------------------------
+
+
+def kv_handoff_to_wire(kv: KvHandoff) -> engine_pb2.KvHandoff:
+    msg = engine_pb2.KvHandoff(
+        remote_engine_id=kv.remote_engine_id,
+        remote_block_groups=[engine_pb2.KvBlockGroup(block_ids=list(g)) for g in kv.remote_block_groups],
+        remote_host=kv.remote_host,
+        remote_port=kv.remote_port,
+        remote_request_id=kv.remote_request_id,
+        remote_num_tokens=kv.remote_num_tokens,
+        tp_size=kv.tp_size,
+    )
+    if kv.extra_params:
+        msg.extra_params.update(kv.extra_params)
+    return msg
+
+
+def kv_handoff_from_wire(msg: engine_pb2.KvHandoff) -> KvHandoff:
+    if not msg.remote_engine_id or not msg.remote_host:
+        raise InvalidArgument.for_field("kv_handoff", "remote_engine_id and remote_host are required")
+    return KvHandoff(
+        remote_engine_id=msg.remote_engine_id,
+        remote_block_groups=tuple(tuple(g.block_ids) for g in msg.remote_block_groups),
+        remote_host=msg.remote_host,
+        remote_port=msg.remote_port,
+        remote_request_id=msg.remote_request_id,
+        remote_num_tokens=msg.remote_num_tokens,
+        tp_size=msg.tp_size,
+        extra_params=json_format.MessageToDict(msg.extra_params) if msg.HasField("extra_params") else {},
+    )
+
+
+def _engine_request_from_wire(msg) -> EngineRequest:
+    if not msg.request_id:
+        raise InvalidArgument.for_field("request_id", "is required")
+    if not msg.prompt.token_ids:
+        raise InvalidArgument.for_field("prompt.token_ids", "must not be empty")
+    kv = kv_handoff_from_wire(msg.kv_handoff) if getattr(msg, "kv_handoff", None) and msg.HasField("kv_handoff") else None
+    return EngineRequest(
+        request_id=msg.request_id,
+        prompt_token_ids=tuple(msg.prompt.token_ids),
+        items=tuple(encoded_items_from_wire(msg.items)),
+        sampling=sampling_from_wire(msg.sampling),
+        kv_handoff=kv,
+    )
+
+
+def prefill_request_from_wire(msg: prefill_pb2.PrefillRequest) -> EngineRequest:
+    return _engine_request_from_wire(msg)
+
+
+def decode_request_from_wire(msg: decode_pb2.DecodeRequest) -> EngineRequest:
+    return _engine_request_from_wire(msg)
+
+
+def prefill_request_to_wire(request: EngineRequest) -> prefill_pb2.PrefillRequest:
+    return prefill_pb2.PrefillRequest(
+        request_id=request.request_id,
+        prompt=engine_pb2.EnginePrompt(token_ids=list(request.prompt_token_ids)),
+        items=[encoded_item_to_wire(i) for i in request.items],
+        sampling=sampling_to_wire(request.sampling),
+    )
+
+
+def decode_request_to_wire(request: EngineRequest) -> decode_pb2.DecodeRequest:
+    """Decode with a KV handoff gets metadata only; combined decode also gets the handles."""
+    msg = decode_pb2.DecodeRequest(
+        request_id=request.request_id,
+        prompt=engine_pb2.EnginePrompt(token_ids=list(request.prompt_token_ids)),
+        items=[encoded_item_to_wire(i, with_embedding=request.kv_handoff is None) for i in request.items],
+        sampling=sampling_to_wire(request.sampling),
+    )
+    if request.kv_handoff is not None:
+        msg.kv_handoff.CopyFrom(kv_handoff_to_wire(request.kv_handoff))
+    return msg

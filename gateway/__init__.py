@@ -1,0 +1,1 @@
+"""Gateway: the public GatewayService, stage routing and token streaming."""

@@ -1,0 +1,122 @@
+"""GatewayService servicer: parse the public request, run the pipeline, stream it back."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+from google.protobuf import duration_pb2
+
+from epd import wire
+from epd.domain import FinishReason
+from epd.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
+from epd.rpc import rpc_method
+from epd.v1 import gateway_pb2, gateway_pb2_grpc
+from gateway.pipeline import Delta, Finished, Timings, Usage
+
+_DONE = object()
+
+
+class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
+    def __init__(self, pipeline) -> None:
+        self.pipeline = pipeline
+        self._in_flight: dict[str, asyncio.Task] = {}
+
+    @rpc_method("gateway")
+    async def Generate(self, request: gateway_pb2.GenerateRequest, context):
+        """Streams the reply to a multimodal chat.
+
+        Args:
+            request: messages (text and media parts), sampling and an optional request id.
+            context: the RPC context; its deadline bounds every stage, and cancelling it aborts
+                every stage.
+
+        Yields:
+            Deltas, then exactly one ``finished`` message.
+        """
+        if self.pipeline is None:
+            raise Unavailable("gateway is still starting")
+        generate = wire.generate_request_from_wire(request)
+        if generate.request_id in self._in_flight:
+            raise AlreadyExists(f"request_id {generate.request_id!r} is already in flight")
+        remaining = context.time_remaining()
+        deadline = time.monotonic() + remaining if remaining is not None else None
+        # The pipeline runs in its own task so that Abort can cancel it while this stream still
+        # sends a final ABORT message; a dropped client cancels it through the finally below.
+        events: asyncio.Queue = asyncio.Queue()
+        task = asyncio.create_task(self._pump(self.pipeline.generate(generate, deadline), events))
+        self._in_flight[generate.request_id] = task
+        try:
+            while (event := await events.get()) is not _DONE:
+                if isinstance(event, BaseException):
+                    raise event
+                yield _event_to_wire(event)
+            if task.cancelled():
+                yield _event_to_wire(Finished(FinishReason.ABORT, Usage(0, 0, 0), Timings()))
+        finally:
+            del self._in_flight[generate.request_id]
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    @staticmethod
+    async def _pump(stream, events: asyncio.Queue) -> None:
+        try:
+            async for event in stream:
+                events.put_nowait(event)
+        except asyncio.CancelledError:
+            events.put_nowait(_DONE)
+            raise
+        except Exception as exc:  # noqa: BLE001 - re-raised in the RPC handler
+            events.put_nowait(exc)
+        else:
+            events.put_nowait(_DONE)
+
+    @rpc_method("gateway")
+    async def Abort(self, request: gateway_pb2.AbortRequest, context) -> gateway_pb2.AbortResponse:
+        """Aborts an in-flight Generate call; its stream ends with FINISH_REASON_ABORT.
+
+        Args:
+            request: the request id to abort.
+            context: the RPC context.
+
+        Returns:
+            An empty response once the abort has been issued.
+        """
+        if not request.request_id:
+            raise InvalidArgument.for_field("request_id", "is required")
+        task = self._in_flight.get(request.request_id)
+        if task is None:
+            raise NotFound(f"no in-flight request with id {request.request_id!r}")
+        task.cancel()
+        return gateway_pb2.AbortResponse()
+
+
+def _duration(seconds: float) -> duration_pb2.Duration:
+    value = duration_pb2.Duration()
+    value.FromNanoseconds(int(seconds * 1e9))
+    return value
+
+
+def _event_to_wire(event) -> gateway_pb2.GenerateResponse:
+    if isinstance(event, Delta):
+        return gateway_pb2.GenerateResponse(delta=gateway_pb2.GenerateDelta(token_ids=event.token_ids, text=event.text))
+    t = event.timings
+    return gateway_pb2.GenerateResponse(
+        finished=gateway_pb2.GenerateFinished(
+            finish_reason=wire.finish_reason_to_wire(event.reason),
+            usage=gateway_pb2.Usage(
+                prompt_tokens=event.usage.prompt_tokens,
+                completion_tokens=event.usage.completion_tokens,
+                multimodal_tokens=event.usage.multimodal_tokens,
+            ),
+            timings=gateway_pb2.StageTimings(
+                encode=_duration(t.encode),
+                prefill=_duration(t.prefill),
+                decode=_duration(t.decode),
+                time_to_first_token=_duration(t.time_to_first_token),
+                total=_duration(t.total),
+            ),
+        )
+    )

@@ -1,0 +1,1 @@
+"""Encoder service: media bytes in, embeddings (in a NIXL arena) and metadata out."""

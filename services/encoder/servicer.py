@@ -1,0 +1,49 @@
+"""EncoderService servicer: parse, call the runner, convert back. Nothing else."""
+
+from __future__ import annotations
+
+from epd import wire
+from epd.errors import Unavailable
+from epd.rpc import rpc_method
+from epd.v1 import encoder_pb2, encoder_pb2_grpc
+from services.encoder.runner import EncoderRunner
+
+
+class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
+    def __init__(self) -> None:
+        self.runner: EncoderRunner | None = None  # set once the tower has loaded
+
+    def _ready_runner(self) -> EncoderRunner:
+        if self.runner is None:
+            raise Unavailable("encoder is still loading")
+        return self.runner
+
+    @rpc_method("encoder")
+    async def Encode(self, request: encoder_pb2.EncodeRequest, context) -> encoder_pb2.EncodeResponse:
+        """Encodes the request's media items, batching them with concurrent requests.
+
+        Args:
+            request: media bytes, MIME types and content hashes, in prompt order.
+            context: the RPC context.
+
+        Returns:
+            Metadata and an embedding handle per item, in request order.
+        """
+        runner = self._ready_runner()
+        items = wire.media_items_from_wire(request.items)
+        encoded = await runner.encode(items)
+        return encoder_pb2.EncodeResponse(items=[wire.encoded_item_to_wire(e) for e in encoded])
+
+    @rpc_method("encoder")
+    async def ReleaseEmbeddings(self, request: encoder_pb2.ReleaseEmbeddingsRequest, context) -> encoder_pb2.ReleaseEmbeddingsResponse:
+        """Frees leases no consumer will read; unknown ids are ignored.
+
+        Args:
+            request: the lease ids to free.
+            context: the RPC context.
+
+        Returns:
+            How many leases were live and are now free.
+        """
+        released = self._ready_runner().release(list(request.lease_ids))
+        return encoder_pb2.ReleaseEmbeddingsResponse(released_count=released)

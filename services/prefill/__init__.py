@@ -1,0 +1,1 @@
+"""Prefill service: embeddings over NIXL in, KV cache out (vLLM NixlConnector producer)."""
