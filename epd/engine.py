@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from epd.domain import FinishReason, KvHandoff, Sampling
+from epd.errors import Unavailable
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +38,6 @@ class EngineConfig:
     max_num_seqs: int = 16
     kv_cache_gib: int = 1  # CPU only: VLLM_CPU_KVCACHE_SPACE
     max_images_per_prompt: int = 8
-    accepts_embeddings: bool = True  # prefill / combined: items arrive as precomputed embeddings
     nixl_side_channel_host: str = "127.0.0.1"
     nixl_side_channel_port: int = 0  # KV producer/consumer only; 0 means "pick a free port"
     seed: int = 0
@@ -54,7 +54,12 @@ class EngineStep:
     kv_handoff: KvHandoff | None = None
 
 
-_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+_FINISH = {
+    "stop": FinishReason.STOP,
+    "length": FinishReason.LENGTH,
+    "abort": FinishReason.ABORT,
+    "repetition": FinishReason.STOP,
+}
 _KV_TYPED_KEYS = (
     "remote_engine_id",
     "remote_block_ids",
@@ -96,7 +101,9 @@ class Engine:
             enforce_eager=True,
             seed=self.config.seed,
             limit_mm_per_prompt={"image": self.config.max_images_per_prompt},
-            enable_mm_embeds=self.config.accepts_embeddings,
+            # Items arrive as precomputed embeddings (prefill, combined) or as grid-only
+            # metadata (decode); both are "embedding" inputs to vLLM's processor.
+            enable_mm_embeds=True,
             disable_log_stats=True,
             **kwargs,
         )
@@ -134,13 +141,19 @@ class Engine:
         try:
             async for output in self._llm.generate(prompt, params, request_id):
                 completion = output.outputs[0]
-                reason = _FINISH.get(completion.finish_reason) if output.finished else None
                 finished = output.finished
+                reason = None
+                if finished:
+                    reason = _FINISH.get(str(completion.finish_reason))
+                    if reason is None:
+                        # vLLM's "error": a request-level engine failure such as a KV load
+                        # that did not complete. Retryable, and never a silent empty reply.
+                        raise Unavailable(f"engine failed request {request_id} (finish reason {completion.finish_reason!r})")
                 yield EngineStep(
                     token_ids=list(completion.token_ids),
                     text=completion.text,
                     prompt_token_count=len(output.prompt_token_ids or ()),
-                    finish_reason=reason or (FinishReason.STOP if output.finished else None),
+                    finish_reason=reason,
                     kv_handoff=kv_handoff_from_engine(output.kv_transfer_params) if output.finished else None,
                 )
         finally:

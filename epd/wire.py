@@ -334,8 +334,14 @@ def kv_handoff_from_wire(msg: engine_pb2.KvHandoff) -> KvHandoff:
         remote_request_id=msg.remote_request_id,
         remote_num_tokens=msg.remote_num_tokens,
         tp_size=msg.tp_size,
-        extra_params=json_format.MessageToDict(msg.extra_params) if msg.HasField("extra_params") else {},
+        extra_params=_integral_floats_to_int(json_format.MessageToDict(msg.extra_params)) if msg.HasField("extra_params") else {},
     )
+
+
+def _integral_floats_to_int(values: dict) -> dict:
+    """Struct stores every number as a double; engine extras are counts and ids, so integral
+    values go back to int (vLLM uses them as sizes and indices)."""
+    return {k: int(v) if isinstance(v, float) and v.is_integer() else v for k, v in values.items()}
 
 
 def _engine_request_from_wire(msg) -> EngineRequest:

@@ -15,10 +15,10 @@ from services.engine_server import EmbeddingReceiveConfig, embedding_source, ser
 async def serve(mode: DecodeMode, engine: EngineConfig, receive: EmbeddingReceiveConfig, server: ServerConfig) -> None:
     if mode is DecodeMode.DECODE:
         # The KV already holds the media; this engine never sees an embedding.
-        engine = dataclasses.replace(engine, kv_role=KvRole.CONSUMER, accepts_embeddings=False)
+        engine = dataclasses.replace(engine, kv_role=KvRole.CONSUMER)
         source = None
     else:
-        engine = dataclasses.replace(engine, kv_role=KvRole.NONE, accepts_embeddings=True)
+        engine = dataclasses.replace(engine, kv_role=KvRole.NONE)
         source = embedding_source(receive, "decode")
     host = GrpcHost(server, service_name=f"decode-{mode.value}", full_service_name=decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name)
     servicer = DecodeServicer(mode, load_family(engine.model), source)

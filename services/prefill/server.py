@@ -13,7 +13,7 @@ from services.prefill.servicer import PrefillServicer
 
 
 async def serve(engine: EngineConfig, receive: EmbeddingReceiveConfig, server: ServerConfig) -> None:
-    engine = dataclasses.replace(engine, kv_role=KvRole.PRODUCER, accepts_embeddings=True)
+    engine = dataclasses.replace(engine, kv_role=KvRole.PRODUCER)
     host = GrpcHost(server, service_name="prefill", full_service_name=prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name)
     servicer = PrefillServicer(load_family(engine.model), embedding_source(receive, "prefill"))
     prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, host.server)

@@ -1,0 +1,635 @@
+"""Tiny random-weight Qwen-VL checkpoints, built offline and deterministically.
+
+No vision-language weights can be downloaded here, so tests, benchmarks and the demo run on
+checkpoints that this module builds from a seed: a byte-level BPE tokenizer trained on a
+made-up corpus, Hugging Face configs for the model, tokenizer and processors, and random
+float32 weights in sharded safetensors. The result loads in transformers and in vLLM exactly
+like a real Qwen2.5-VL or Qwen3-VL checkpoint, only about 3 MB large.
+
+Layout of a built checkpoint::
+
+    config.json                         model config (transformers' own config class)
+    generation_config.json              eos / pad ids
+    tokenizer.json, tokenizer_config.json
+    chat_template.jinja                 read by both AutoTokenizer and AutoProcessor
+    preprocessor_config.json            image processor
+    video_preprocessor_config.json      video processor
+    processor_config.json               processor class
+    model-00001-of-00003.safetensors    vision tower only
+    model-00002-of-00003.safetensors    embeddings + first half of the decoder layers
+    model-00003-of-00003.safetensors    second half of the layers + final norm + lm_head
+    model.safetensors.index.json
+
+The vision tower sits alone in its shard so that encoder-only workers can load just that
+file. Every tensor is drawn from a generator seeded by ``(seed, tensor name)``; vision
+tensors use ``vision_seed`` instead, so checkpoints that differ only in ``vision_seed`` share
+byte-identical language-model shards and tokenizer.
+
+Heavy imports (torch, transformers, tokenizers) happen inside the functions that need them,
+so importing this module stays cheap for the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import pathlib
+import random
+import shutil
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import tokenizers
+    import torch
+    from transformers import PreTrainedConfig
+
+FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "qwen3_vl")
+
+# Language-model and vision-tower sizes shared by both families. head_dim is 128 / 2 = 64,
+# and the M-RoPE sections (temporal, height, width) must add up to head_dim / 2.
+_TEXT_HIDDEN = 128
+_TEXT_INTERMEDIATE = 256
+_TEXT_LAYERS = 2
+_TEXT_HEADS = 2
+_TEXT_KV_HEADS = 1
+_HEAD_DIM = _TEXT_HIDDEN // _TEXT_HEADS
+_MROPE_SECTION = [8, 12, 12]
+_MAX_POSITIONS = 32768
+_VISION_DEPTH = 2
+_VISION_HIDDEN = 64
+_VISION_INTERMEDIATE = 128
+_VISION_HEADS = 2
+_SPATIAL_MERGE = 2
+_TEMPORAL_PATCH = 2
+
+# Initialisation std of weight matrices, larger than the usual 0.02. With so few, so narrow
+# layers a 0.02 init makes attention nearly uniform, so every new position sees about the
+# same mixture and greedy decoding repeats one token whatever the image shows. The token
+# embeddings get the largest std so that the current token steers the next one, while the
+# attended context (the image included) still changes the result.
+_TEXT_INIT_STD = 0.08
+_EMBED_INIT_STD = 0.25
+_VISION_INIT_STD = 0.05
+
+# Byte-level BPE vocabulary size before special tokens: the 256-byte alphabet plus merges.
+_BPE_VOCAB_SIZE = 512
+
+# Qwen's pre-tokenizer split: contractions, letter runs, single digits, punctuation runs,
+# newlines and whitespace, as in the released Qwen2 tokenizer.json.
+_QWEN_SPLIT_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# Added tokens of the released Qwen2.5-VL tokenizer, in id order, as (content, special).
+# The tool-call and fill-in-the-middle markers are added but not "special" there, so they
+# survive skip_special_tokens; we keep that distinction.
+_QWEN2_5_VL_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
+    ("<|endoftext|>", True),
+    ("<|im_start|>", True),
+    ("<|im_end|>", True),
+    ("<|object_ref_start|>", True),
+    ("<|object_ref_end|>", True),
+    ("<|box_start|>", True),
+    ("<|box_end|>", True),
+    ("<|quad_start|>", True),
+    ("<|quad_end|>", True),
+    ("<|vision_start|>", True),
+    ("<|vision_end|>", True),
+    ("<|vision_pad|>", True),
+    ("<|image_pad|>", True),
+    ("<|video_pad|>", True),
+    ("<tool_call>", False),
+    ("</tool_call>", False),
+    ("<|fim_prefix|>", False),
+    ("<|fim_middle|>", False),
+    ("<|fim_suffix|>", False),
+    ("<|fim_pad|>", False),
+    ("<|repo_name|>", False),
+    ("<|file_sep|>", False),
+)
+# Qwen3-VL appends the tool-response and thinking markers.
+_QWEN3_VL_ADDED_TOKENS = _QWEN2_5_VL_ADDED_TOKENS + (
+    ("<tool_response>", False),
+    ("</tool_response>", False),
+    ("<think>", False),
+    ("</think>", False),
+)
+
+# The Qwen2-VL chat template: a default system prompt, ChatML turns, and a
+# <|vision_start|><pad><|vision_end|> triple per image or video content part.
+_CHAT_TEMPLATE = (
+    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}"
+    "{% set video_count.value = video_count.value + 1 %}"
+    "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}"
+    "{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+_CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+
+
+@dataclass(frozen=True)
+class _Family:
+    """What differs between the two Qwen-VL families.
+
+    Attributes:
+        architecture: transformers model class name, written to ``config.architectures``.
+        processor_class: transformers processor class name.
+        video_processor_type: transformers video processor class name.
+        added_tokens: tokenizer added tokens in id order, as (content, special).
+        patch_size: vision patch edge in pixels.
+        image_mean: per-channel normalisation mean.
+        image_std: per-channel normalisation std.
+        rope_theta: base of the language model's rotary embedding.
+    """
+
+    architecture: str
+    processor_class: str
+    video_processor_type: str
+    added_tokens: tuple[tuple[str, bool], ...]
+    patch_size: int
+    image_mean: list[float]
+    image_std: list[float]
+    rope_theta: float
+
+    @property
+    def merged_patch(self) -> int:
+        """Edge in pixels of the image area behind one placeholder token."""
+        return self.patch_size * _SPATIAL_MERGE
+
+    @property
+    def min_pixels(self) -> int:
+        """Smallest resized image: 2 x 2 placeholder tokens."""
+        return (2 * self.merged_patch) ** 2
+
+    @property
+    def max_pixels(self) -> int:
+        """Largest resized image: 8 x 8 placeholder tokens, so tests stay fast."""
+        return (8 * self.merged_patch) ** 2
+
+
+_FAMILY_SPECS: dict[str, _Family] = {
+    "qwen2_5_vl": _Family(
+        architecture="Qwen2_5_VLForConditionalGeneration",
+        processor_class="Qwen2_5_VLProcessor",
+        video_processor_type="Qwen2VLVideoProcessor",
+        added_tokens=_QWEN2_5_VL_ADDED_TOKENS,
+        patch_size=14,
+        image_mean=_CLIP_MEAN,
+        image_std=_CLIP_STD,
+        rope_theta=1_000_000.0,
+    ),
+    "qwen3_vl": _Family(
+        architecture="Qwen3VLForConditionalGeneration",
+        processor_class="Qwen3VLProcessor",
+        video_processor_type="Qwen3VLVideoProcessor",
+        added_tokens=_QWEN3_VL_ADDED_TOKENS,
+        patch_size=16,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+        rope_theta=5_000_000.0,
+    ),
+}
+
+_NUM_SHARDS = 3
+_VISION_SHARD = 1
+_INDEX_FILE = "model.safetensors.index.json"
+# Files besides the weight shards that a complete checkpoint has.
+_REQUIRED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "chat_template.jinja",
+    "preprocessor_config.json",
+    "video_preprocessor_config.json",
+    "processor_config.json",
+    _INDEX_FILE,
+)
+
+
+def build_tiny_checkpoint(
+    family: str,
+    out_dir: str | os.PathLike[str],
+    *,
+    seed: int = 0,
+    vision_seed: int | None = None,
+) -> pathlib.Path:
+    """Builds (or overwrites) a tiny random-weight checkpoint in ``out_dir``.
+
+    Args:
+        family: one of :data:`FAMILIES`.
+        out_dir: directory to write; created if missing, existing checkpoint files replaced.
+        seed: seeds the language-model weights (and the vision weights unless
+            ``vision_seed`` is given).
+        vision_seed: seeds only the vision tower weights; defaults to ``seed``. Two
+            checkpoints with the same ``seed`` and different ``vision_seed`` have
+            byte-identical tokenizer, configs and language-model shards.
+
+    Returns:
+        The checkpoint directory.
+
+    Raises:
+        ValueError: ``family`` is not one of :data:`FAMILIES`.
+    """
+    spec = _family_spec(family)
+    out = pathlib.Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = _build_tokenizer(spec)
+    token_ids = {content: tokenizer.token_to_id(content) for content, _ in spec.added_tokens}
+    _write_tokenizer_files(out, tokenizer, spec)
+    config = _build_config(family, spec, vocab_size=tokenizer.get_vocab_size(), token_ids=token_ids)
+    config.to_json_file(out / "config.json", use_diff=True)
+    _write_json(
+        out / "generation_config.json",
+        {
+            "bos_token_id": token_ids["<|endoftext|>"],
+            "eos_token_id": [token_ids["<|im_end|>"], token_ids["<|endoftext|>"]],
+            "pad_token_id": token_ids["<|endoftext|>"],
+        },
+    )
+    _write_processor_configs(out, spec)
+    _write_sharded_weights(out, config, seed=seed, vision_seed=seed if vision_seed is None else vision_seed)
+    return out
+
+
+def ensure_tiny_checkpoint(
+    family: str,
+    root: str | os.PathLike[str],
+    *,
+    seed: int = 0,
+    vision_seed: int | None = None,
+) -> pathlib.Path:
+    """Returns a complete checkpoint under ``root``, building it first if needed.
+
+    The directory is ``root/<family>-s<seed>``, with ``-v<vision_seed>`` appended when
+    ``vision_seed`` is given and differs from ``seed`` (otherwise the weights are the same).
+    A missing or incomplete directory is rebuilt in a temporary sibling that is then renamed
+    into place, so concurrent or aborted builds never expose a half-written checkpoint.
+
+    Args:
+        family: one of :data:`FAMILIES`.
+        root: parent directory of the checkpoints; created if missing.
+        seed: see :func:`build_tiny_checkpoint`.
+        vision_seed: see :func:`build_tiny_checkpoint`.
+
+    Returns:
+        The checkpoint directory.
+
+    Raises:
+        ValueError: ``family`` is not one of :data:`FAMILIES`.
+    """
+    _family_spec(family)
+    root_path = pathlib.Path(root)
+    name = f"{family}-s{seed}"
+    if vision_seed is not None and vision_seed != seed:
+        name += f"-v{vision_seed}"
+    target = root_path / name
+    if _is_complete(target):
+        return target
+    root_path.mkdir(parents=True, exist_ok=True)
+    staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root_path))
+    staging.chmod(0o755)  # mkdtemp makes it owner-only; the checkpoint is meant to be shared
+    try:
+        build_tiny_checkpoint(family, staging, seed=seed, vision_seed=vision_seed)
+        if target.exists() and not _is_complete(target):
+            # Left behind by an aborted non-atomic writer; move it aside so the rename below
+            # can land. A concurrent builder may have moved it already, hence the suppress.
+            trash = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}.trash.", dir=root_path))
+            with contextlib.suppress(OSError):
+                target.rename(trash / name)
+            shutil.rmtree(trash, ignore_errors=True)
+        try:
+            staging.rename(target)
+        except OSError:
+            # A concurrent builder renamed its copy in first; both are byte-identical.
+            if not _is_complete(target):
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _family_spec(family: str) -> _Family:
+    """The spec of ``family``; raises ValueError for an unknown one."""
+    try:
+        return _FAMILY_SPECS[family]
+    except KeyError:
+        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}") from None
+
+
+def _is_complete(path: pathlib.Path) -> bool:
+    """Whether ``path`` holds every file a built checkpoint has, shards included."""
+    if not all((path / name).is_file() for name in _REQUIRED_FILES):
+        return False
+    try:
+        weight_map = json.loads((path / _INDEX_FILE).read_text())["weight_map"]
+    except (OSError, ValueError, KeyError):
+        return False
+    return all((path / shard).is_file() for shard in set(weight_map.values()))
+
+
+def _tokenizer_corpus() -> list[str]:
+    """A made-up, fixed training corpus: chat-like English, numbers and a little code."""
+    words = (
+        "the a an image picture photo video frame shows describe what is in of on with and "
+        "red green blue yellow black white color shape square circle line stripe left right "
+        "top bottom center corner small large bright dark sky tree house car cat dog person "
+        "please answer question user assistant system you are helpful model token text "
+        "one two three four five many few there here this that it they we see look count"
+    ).split()
+    punctuation = (".", ",", "?", "!", ":", ";")
+    rng = random.Random(20251130)  # fixed: the tokenizer must not depend on any seed argument
+    lines = []
+    for _ in range(600):
+        sentence = " ".join(rng.choice(words) for _ in range(rng.randint(4, 14)))
+        number = rng.randint(0, 100000)
+        lines.append(f"{sentence.capitalize()} {number}{rng.choice(punctuation)}")
+    lines.append("def main(argv):\n    return {'key': [1, 2, 3]}  # code\n\tx = y + z\n")
+    return lines
+
+
+def _build_tokenizer(spec: _Family) -> tokenizers.Tokenizer:
+    """Trains a byte-level BPE with Qwen's pre-tokenizer and appends Qwen's added tokens.
+
+    The normaliser, pre-tokenizer and decoder match what transformers' ``Qwen2Tokenizer``
+    rebuilds around the vocabulary and merges when it loads ``tokenizer.json``, so the raw
+    ``tokenizers`` object and the transformers tokenizer encode identically.
+    """
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from tokenizers import processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_QWEN_SPLIT_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=_BPE_VOCAB_SIZE,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_tokenizer_corpus(), trainer=trainer)
+    if tokenizer.get_vocab_size() != _BPE_VOCAB_SIZE:
+        raise RuntimeError(f"BPE training gave {tokenizer.get_vocab_size()} tokens, expected {_BPE_VOCAB_SIZE}")
+    # Added after training so that, as in Qwen, they take the ids after the BPE vocabulary.
+    tokenizer.add_tokens(
+        [AddedToken(content, special=special, normalized=False) for content, special in spec.added_tokens]
+    )
+    return tokenizer
+
+
+def _write_tokenizer_files(out: pathlib.Path, tokenizer: tokenizers.Tokenizer, spec: _Family) -> None:
+    """Writes tokenizer.json, tokenizer_config.json and chat_template.jinja."""
+    _write_text(out / "tokenizer.json", tokenizer.to_str(pretty=True) + "\n")
+    _write_json(
+        out / "tokenizer_config.json",
+        {
+            "add_prefix_space": False,
+            "bos_token": None,
+            "clean_up_tokenization_spaces": False,
+            "eos_token": "<|im_end|>",
+            "errors": "replace",
+            "model_max_length": _MAX_POSITIONS,
+            "pad_token": "<|endoftext|>",
+            "processor_class": spec.processor_class,
+            "split_special_tokens": False,
+            "tokenizer_class": "Qwen2Tokenizer",
+            "unk_token": None,
+        },
+    )
+    # transformers 5 reads chat_template.jinja for both the tokenizer and the processor.
+    _write_text(out / "chat_template.jinja", _CHAT_TEMPLATE)
+
+
+def _build_config(
+    family: str, spec: _Family, *, vocab_size: int, token_ids: Mapping[str, int]
+) -> PreTrainedConfig:
+    """Builds the transformers model config (``Qwen2_5_VLConfig`` or ``Qwen3VLConfig``)."""
+    import transformers
+
+    text_config: dict[str, Any] = {
+        "vocab_size": vocab_size,
+        "hidden_size": _TEXT_HIDDEN,
+        "intermediate_size": _TEXT_INTERMEDIATE,
+        "num_hidden_layers": _TEXT_LAYERS,
+        "num_attention_heads": _TEXT_HEADS,
+        "num_key_value_heads": _TEXT_KV_HEADS,
+        "max_position_embeddings": _MAX_POSITIONS,
+        "rms_norm_eps": 1e-6,
+        "initializer_range": _TEXT_INIT_STD,
+        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta, "mrope_section": _MROPE_SECTION},
+        "pad_token_id": token_ids["<|endoftext|>"],
+        "dtype": "float32",
+    }
+    vision_config: dict[str, Any] = {
+        "depth": _VISION_DEPTH,
+        "hidden_size": _VISION_HIDDEN,
+        "intermediate_size": _VISION_INTERMEDIATE,
+        "num_heads": _VISION_HEADS,
+        "out_hidden_size": _TEXT_HIDDEN,
+        "patch_size": spec.patch_size,
+        "spatial_merge_size": _SPATIAL_MERGE,
+        "temporal_patch_size": _TEMPORAL_PATCH,
+        "initializer_range": _VISION_INIT_STD,
+    }
+    if family == "qwen2_5_vl":
+        config_class = transformers.Qwen2_5_VLConfig
+        text_config |= {
+            "bos_token_id": token_ids["<|endoftext|>"],
+            "eos_token_id": token_ids["<|im_end|>"],
+        }
+        # One windowed and one full-attention block, so both code paths run. A window of
+        # 4 x 4 merged patches splits any image above 112 px into several windows.
+        vision_config |= {
+            "window_size": 4 * spec.merged_patch,
+            "fullatt_block_indexes": [_VISION_DEPTH - 1],
+            "tokens_per_second": 2,
+        }
+    else:
+        config_class = transformers.Qwen3VLConfig
+        text_config |= {"head_dim": _HEAD_DIM}
+        text_config["rope_parameters"] |= {"mrope_interleaved": True}
+        # A 24 x 24 learned position grid (interpolated to the image); deepstack taps the
+        # first block so its features differ from the final merger output.
+        vision_config |= {"num_position_embeddings": 24 * 24, "deepstack_visual_indexes": [0]}
+    return config_class(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=token_ids["<|image_pad|>"],
+        video_token_id=token_ids["<|video_pad|>"],
+        vision_start_token_id=token_ids["<|vision_start|>"],
+        vision_end_token_id=token_ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+        architectures=[spec.architecture],
+        dtype="float32",
+    )
+
+
+def _write_processor_configs(out: pathlib.Path, spec: _Family) -> None:
+    """Writes the image, video and processor configs, with small pixel limits."""
+    shared = {
+        "image_mean": spec.image_mean,
+        "image_std": spec.image_std,
+        "merge_size": _SPATIAL_MERGE,
+        "patch_size": spec.patch_size,
+        "processor_class": spec.processor_class,
+        "temporal_patch_size": _TEMPORAL_PATCH,
+    }
+    # size.shortest_edge / size.longest_edge are pixel counts (min_pixels / max_pixels).
+    _write_json(
+        out / "preprocessor_config.json",
+        shared
+        | {
+            "image_processor_type": "Qwen2VLImageProcessor",
+            "size": {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels},
+        },
+    )
+    # cap_pixels_per_frame (an extra total-video pixel budget that transformers 5.22 turns on
+    # by default) is set off explicitly: that is 5.19's behaviour, and it silences a warning.
+    video: dict[str, Any] = {"video_processor_type": spec.video_processor_type, "cap_pixels_per_frame": False}
+    if spec.video_processor_type == "Qwen3VLVideoProcessor":
+        # Qwen3-VL's video limits count pixels over all frames; allow 8 frames at the image cap.
+        video |= {
+            "size": {"shortest_edge": spec.min_pixels, "longest_edge": 8 * spec.max_pixels},
+            "fps": 2,
+            "min_frames": 2,
+            "max_frames": 8,
+        }
+    else:
+        # Qwen2-VL's video limits are per frame.
+        video |= {"size": {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}}
+    _write_json(out / "video_preprocessor_config.json", shared | video)
+    _write_json(out / "processor_config.json", {"processor_class": spec.processor_class})
+
+
+def _write_sharded_weights(out: pathlib.Path, config: PreTrainedConfig, *, seed: int, vision_seed: int) -> None:
+    """Writes random float32 weights as safetensors shards plus the index.
+
+    Tensor names and shapes come from the transformers model built on the meta device (no
+    memory, no init), renamed to the on-disk names with the function ``save_pretrained``
+    itself uses: Qwen2.5-VL is stored as ``visual.*`` / ``model.*``, Qwen3-VL as
+    ``model.visual.*`` / ``model.language_model.*``, both with ``lm_head.*``.
+    """
+    import safetensors.torch
+    import torch
+    import transformers
+    from transformers.core_model_loading import revert_weight_conversion
+
+    with torch.device("meta"):
+        model = getattr(transformers, config.architectures[0])(config)
+    shapes = revert_weight_conversion(model, model.state_dict())
+
+    shards: dict[int, dict[str, torch.Tensor]] = {index: {} for index in range(1, _NUM_SHARDS + 1)}
+    for name, meta in sorted(shapes.items()):
+        tensor = _random_tensor(
+            name, tuple(meta.shape), seed=vision_seed if _is_vision_tensor(name) else seed, std=_init_std(name)
+        )
+        shards[_shard_of(name, config.text_config.num_hidden_layers)][name] = tensor
+
+    weight_map: dict[str, str] = {}
+    total_size = 0
+    for index, tensors in shards.items():
+        file_name = f"model-{index:05d}-of-{_NUM_SHARDS:05d}.safetensors"
+        # safetensors orders the header itself, so equal tensors give equal bytes. Written
+        # via bytes because save_file creates the file owner-readable only.
+        (out / file_name).write_bytes(safetensors.torch.save(tensors, metadata={"format": "pt"}))
+        for name, tensor in tensors.items():
+            weight_map[name] = file_name
+            total_size += tensor.numel() * tensor.element_size()
+    _write_json(out / _INDEX_FILE, {"metadata": {"total_size": total_size}, "weight_map": weight_map})
+
+
+def _is_vision_tensor(name: str) -> bool:
+    """Whether an on-disk tensor name belongs to the vision tower (``visual.`` submodule)."""
+    return "visual" in name.split(".")
+
+
+def _init_std(name: str) -> float:
+    """Std of the normal init of a weight matrix, by role (see ``_TEXT_INIT_STD``)."""
+    if _is_vision_tensor(name):
+        return _VISION_INIT_STD
+    return _EMBED_INIT_STD if "embed_tokens" in name.split(".") else _TEXT_INIT_STD
+
+
+def _shard_of(name: str, num_layers: int) -> int:
+    """Shard number (1-based) of a tensor: vision alone, then the LM split by layer."""
+    if _is_vision_tensor(name):
+        return _VISION_SHARD
+    parts = name.split(".")
+    if "layers" in parts:
+        layer = int(parts[parts.index("layers") + 1])
+        return 2 if layer < num_layers // 2 else 3
+    return 2 if "embed_tokens" in parts else 3
+
+
+def _random_tensor(name: str, shape: tuple[int, ...], *, seed: int, std: float) -> torch.Tensor:
+    """A float32 tensor that depends only on (seed, name, shape).
+
+    Norm scales (1-D ``weight``) start at one and biases at zero, as in a fresh model;
+    everything else is normal with the given std.
+    """
+    import torch
+
+    if name.endswith(".bias"):
+        return torch.zeros(shape, dtype=torch.float32)
+    if len(shape) == 1:
+        return torch.ones(shape, dtype=torch.float32)
+    # Seeding per tensor (not one stream for all) keeps each tensor independent of which
+    # other tensors exist and of the order they are drawn in.
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+    return torch.randn(shape, generator=generator, dtype=torch.float32) * std
+
+
+def _write_json(path: pathlib.Path, data: Mapping[str, Any]) -> None:
+    _write_text(path, json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def _write_text(path: pathlib.Path, text: str) -> None:
+    path.write_text(text, encoding="utf-8")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command line: ``python -m epd.checkpoints --family F --out DIR [--seed N] [--vision-seed M]``."""
+    parser = argparse.ArgumentParser(prog="python -m epd.checkpoints", description=__doc__.splitlines()[0])
+    parser.add_argument("--family", required=True, choices=FAMILIES)
+    parser.add_argument("--out", required=True, type=pathlib.Path, help="checkpoint directory to write")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the language-model weights")
+    parser.add_argument("--vision-seed", type=int, default=None, help="seed of the vision weights (default: --seed)")
+    args = parser.parse_args(argv)
+    path = build_tiny_checkpoint(args.family, args.out, seed=args.seed, vision_seed=args.vision_seed)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

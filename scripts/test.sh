@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Runs the whole test suite from a fresh clone: installs (idempotent), checks the contract,
+# then pytest. Extra arguments go to pytest.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+./scripts/install-cpu.sh
+PY=.venv/bin/python
+echo "[test] buf lint + buf format (protos/)"
+.venv/bin/buf lint protos
+.venv/bin/buf format -d --exit-code protos
+echo "[test] pytest"
+exec "$PY" -m pytest -ra "$@"

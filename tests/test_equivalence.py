@@ -1,0 +1,51 @@
+"""The bar: disaggregated greedy tokens equal the monolithic vLLM run of the same request."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from epd.checkpoints import FAMILIES
+from epd.client import chat_request, generate
+from epd.testing import synthetic_image_png
+
+MIN_TOKENS = 16
+
+
+def _image(width: int, height: int, seed: int) -> tuple[bytes, str]:
+    return synthetic_image_png(width, height, seed=seed), "image/png"
+
+
+CASES = {
+    "one_image": lambda: [_image(160, 120, 1), "Describe this image."],
+    "two_images_of_different_sizes": lambda: [_image(160, 120, 1), _image(224, 112, 2), "Compare the two pictures."],
+    "image_between_text": lambda: ["Look at this:", _image(140, 140, 3), "What is in it?"],
+}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("mode", ["epd", "epd-combined"])
+@pytest.mark.parametrize("case", list(CASES))
+async def test_greedy_tokens_match_monolithic(family_stack, family, mode, case):
+    request = chat_request(CASES[case](), max_tokens=24)
+    oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=120)
+    result = await generate(family_stack.gateway_stub(mode), request, timeout=120)
+
+    assert len(oracle.token_ids) >= MIN_TOKENS, "the oracle must generate enough tokens to compare"
+    assert result.token_ids == oracle.token_ids
+    assert result.text == oracle.text
+    assert result.finished.finish_reason == oracle.finished.finish_reason
+    assert result.finished.usage.prompt_tokens == oracle.finished.usage.prompt_tokens
+    assert result.finished.usage.multimodal_tokens == oracle.finished.usage.multimodal_tokens > 0
+
+
+async def test_eight_concurrent_streams_match_monolithic(family_stack):
+    requests = [chat_request([_image(112 + 16 * i, 112, 10 + i), f"Request {i}: describe."], max_tokens=20) for i in range(8)]
+    mono = family_stack.gateway_stub("monolithic")
+    oracles = [await generate(mono, r, timeout=120) for r in requests]
+    epd = family_stack.gateway_stub("epd")
+    results = await asyncio.gather(*(generate(epd, r, timeout=300) for r in requests))
+    for oracle, result in zip(oracles, results, strict=True):
+        assert result.finished is not None
+        assert result.token_ids == oracle.token_ids
