@@ -22,7 +22,9 @@ class GenerateResult:
     finished: gateway_pb2.GenerateFinished
 
 
-def chat_request(parts: list, *, max_tokens: int, temperature: float = 0.0, request_id: str = "") -> gateway_pb2.GenerateRequest:
+def chat_request(
+    parts: list, *, max_tokens: int, temperature: float = 0.0, min_tokens: int = 0, request_id: str = ""
+) -> gateway_pb2.GenerateRequest:
     """A single-user-message request. ``parts`` holds str (text) or (bytes, mime) (an image)."""
     content = [
         gateway_pb2.ContentPart(text=p) if isinstance(p, str) else gateway_pb2.ContentPart(image=gateway_pb2.Media(data=p[0], mime_type=p[1]))
@@ -31,7 +33,7 @@ def chat_request(parts: list, *, max_tokens: int, temperature: float = 0.0, requ
     return gateway_pb2.GenerateRequest(
         request_id=request_id,
         messages=[gateway_pb2.ChatMessage(role=gateway_pb2.ROLE_USER, parts=content)],
-        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature),
+        sampling=common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature, min_tokens=min_tokens),
     )
 
 

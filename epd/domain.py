@@ -99,6 +99,7 @@ class Sampling:
     top_k: int | None = None
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    min_tokens: int = 0
 
 
 @dataclass(frozen=True)

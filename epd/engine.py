@@ -127,8 +127,10 @@ class Engine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        max_tokens = max_tokens or sampling.max_tokens
         params = SamplingParams(
-            max_tokens=max_tokens or sampling.max_tokens,
+            max_tokens=max_tokens,
+            min_tokens=min(sampling.min_tokens, max_tokens),
             temperature=1.0 if sampling.temperature is None else sampling.temperature,
             top_p=1.0 if sampling.top_p is None else sampling.top_p,
             top_k=0 if sampling.top_k in (None, -1) else sampling.top_k,

@@ -78,6 +78,8 @@ def sampling_from_wire(msg: common_pb2.SamplingParams, field: str = "sampling") 
         violations.append(FieldViolation(f"{field}.top_p", "must be in (0, 1]"))
     if msg.HasField("top_k") and (msg.top_k == 0 or msg.top_k < -1):
         violations.append(FieldViolation(f"{field}.top_k", "must be -1 (disabled) or >= 1"))
+    if msg.min_tokens > msg.max_tokens:
+        violations.append(FieldViolation(f"{field}.min_tokens", "must not exceed max_tokens"))
     if any(not s for s in msg.stop):
         violations.append(FieldViolation(f"{field}.stop", "must not contain empty strings"))
     if violations:
@@ -89,11 +91,14 @@ def sampling_from_wire(msg: common_pb2.SamplingParams, field: str = "sampling") 
         top_k=msg.top_k if msg.HasField("top_k") else None,
         seed=msg.seed if msg.HasField("seed") else None,
         stop=tuple(msg.stop),
+        min_tokens=msg.min_tokens,
     )
 
 
 def sampling_to_wire(sampling: Sampling) -> common_pb2.SamplingParams:
     msg = common_pb2.SamplingParams(max_tokens=sampling.max_tokens, stop=list(sampling.stop))
+    if sampling.min_tokens:
+        msg.min_tokens = sampling.min_tokens
     for name in ("temperature", "top_p", "top_k", "seed"):
         value = getattr(sampling, name)
         if value is not None:

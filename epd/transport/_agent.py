@@ -46,7 +46,7 @@ class NixlAgent:
             RuntimeError: If NIXL cannot start, e.g. the listener port is taken.
         """
         config = nixlb.nixlAgentConfig()
-        config.useProgThread = True
+        import os; config.useProgThread = os.environ.get("NOPROG") != "1"
         config.pthrDelay = _PROGRESS_WAKEUP_US
         config.useListenThread = True
         config.listenPort = listen_port

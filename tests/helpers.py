@@ -1,0 +1,28 @@
+"""Small helpers shared by the service tests."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def scrape(metrics_port: int) -> dict[str, float]:
+    """A service's Prometheus samples, by name (labels dropped; samples summed)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
+    return samples
+
+
+async def wait_for_metric(metrics_port: int, name: str, expected: float, timeout: float = 10.0) -> float:
+    """Polls until a metric reaches ``expected`` (leases are freed by async notifications)."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    value = scrape(metrics_port).get(name)
+    while value != expected and asyncio.get_running_loop().time() < deadline:
+        await asyncio.sleep(0.1)
+        value = scrape(metrics_port).get(name)
+    return value

@@ -1,0 +1,99 @@
+"""What crosses each hop: no media bytes after the encoder, embeddings over NIXL, and the
+embeddings really decide the output."""
+
+from __future__ import annotations
+
+import pytest
+
+from epd.client import chat_request, generate
+from epd.testing import synthetic_image_png
+from epd.v1 import decode_pb2, prefill_pb2
+from tests.conftest import checkpoint
+from tests.helpers import scrape
+from tests.tap import RecordingProxy
+
+
+@pytest.mark.parametrize("mode", ["epd", "epd-combined"])
+async def test_no_media_bytes_reach_prefill_or_decode(family_stack, mode):
+    png = synthetic_image_png(150, 130, seed=21)
+    request = chat_request([(png, "image/png"), "What is this?"], max_tokens=16)
+    oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=120)
+
+    decode_target = family_stack.decode if mode == "epd" else family_stack.combined
+    decode_tap = RecordingProxy(decode_target.address, streaming=frozenset({"Decode"}))
+    prefill_tap = RecordingProxy(family_stack.prefill.address)
+    args = ["gateway", "--model", family_stack.model, "--mode", mode, "--encoder", family_stack.encoder.address]
+    args += ["--decode", await decode_tap.start()]
+    if mode == "epd":
+        args += ["--prefill", await prefill_tap.start()]
+    gateway = family_stack.stack.start(f"gateway-tapped-{mode}", args)
+    try:
+        family_stack.stack.wait_ready([gateway], timeout=120)
+        import grpc
+
+        from epd.v1 import gateway_pb2_grpc
+
+        async with grpc.aio.insecure_channel(gateway.address) as channel:
+            result = await generate(gateway_pb2_grpc.GatewayServiceStub(channel), request, timeout=120)
+    finally:
+        gateway.stop()
+        await decode_tap.stop()
+        await prefill_tap.stop()
+
+    assert result.token_ids == oracle.token_ids
+    decode_bodies = decode_tap.requests_for("/Decode")
+    prefill_bodies = prefill_tap.requests_for("/Prefill")
+    assert len(decode_bodies) == 1 and len(prefill_bodies) == (1 if mode == "epd" else 0)
+    for body in decode_bodies + prefill_bodies:
+        assert png not in body and png[:64] not in body, "media bytes crossed a hop after the encoder"
+
+    decode_request = decode_pb2.DecodeRequest.FromString(decode_bodies[0])
+    (item,) = decode_request.items
+    assert item.metadata.grid_thw.h > 0 and item.metadata.placeholder_count > 0
+    if mode == "epd":
+        # Decode gets the KV, so not even an embedding handle.
+        assert not item.HasField("embedding") and decode_request.HasField("kv_handoff")
+        (prefill_item,) = prefill_pb2.PrefillRequest.FromString(prefill_bodies[0]).items
+        assert prefill_item.embedding.WhichOneof("transport") == "nixl"
+    else:
+        assert item.embedding.WhichOneof("transport") == "nixl" and not decode_request.HasField("kv_handoff")
+
+
+async def test_embeddings_travel_over_nixl_and_decide_the_tokens(family_stack):
+    """An encoder with different vision weights (same language model) changes the tokens."""
+    png = synthetic_image_png(170, 110, seed=33)  # unique: no engine has cached this image
+    request = chat_request([(png, "image/png"), "Describe."], max_tokens=16)
+    before = scrape(family_stack.prefill.metrics_port).get("epd_nixl_read_bytes_total", 0.0)
+    normal = await generate(family_stack.gateway_stub("epd"), request, timeout=120)
+    read = scrape(family_stack.prefill.metrics_port)["epd_nixl_read_bytes_total"] - before
+    assert read > 0, "prefill read no embedding bytes over NIXL"
+
+    stack = family_stack.stack
+    other = str(checkpoint(family_stack.family, vision_seed=1))
+    encoder = stack.start("encoder-other-vision", ["encoder", "--model", other])
+    try:
+        stack.wait_ready([encoder], timeout=120)
+        gateway = stack.start(
+            "gateway-other-vision",
+            ["gateway", "--model", family_stack.model, "--mode", "epd", "--encoder", encoder.address,
+             "--prefill", family_stack.prefill.address, "--decode", family_stack.decode.address],
+        )
+        stack.wait_ready([gateway], timeout=120)
+        import grpc
+
+        from epd.v1 import gateway_pb2_grpc
+
+        # A new image: the engines key their caches by content hash, so a hash they have seen
+        # would bring back KV computed from the first encoder's embeddings.
+        other_request = chat_request([(synthetic_image_png(170, 110, seed=34), "image/png"), "Describe."], max_tokens=16)
+        async with grpc.aio.insecure_channel(gateway.address) as channel:
+            changed = await generate(gateway_pb2_grpc.GatewayServiceStub(channel), other_request, timeout=120)
+        oracle = await generate(family_stack.gateway_stub("monolithic"), other_request, timeout=120)
+    finally:
+        for service in [s for s in stack.services if s.name.endswith("other-vision")]:
+            service.stop()
+            stack.services.remove(service)
+
+    assert normal.token_ids == (await generate(family_stack.gateway_stub("monolithic"), request, timeout=120)).token_ids
+    assert len(changed.token_ids) == len(oracle.token_ids) == 16
+    assert changed.token_ids != oracle.token_ids
