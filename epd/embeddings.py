@@ -11,6 +11,7 @@ from epd.domain import EncodedItem, InlineEmbedding
 from epd.errors import FailedPrecondition, FieldViolation, InvalidArgument, Unavailable
 from epd.transport.nixl import EmbeddingFetcher, NixlRegion, TransferError
 
+_tracer = telemetry.tracer(__name__)
 _DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 
 
@@ -35,7 +36,9 @@ class EmbeddingSource:
             Unavailable: a NIXL read failed (peer down, lease expired).
         """
         started = time.perf_counter()
-        raw = await self._read_all(items)
+        with _tracer.start_as_current_span("embedding_fetch") as span:
+            span.set_attribute("epd.items", len(items))
+            raw = await self._read_all(items)
         elapsed = time.perf_counter() - started
         telemetry.NIXL_READ_SECONDS.observe(elapsed)
         return [self._to_tensor(item, data, index) for index, (item, data) in enumerate(zip(items, raw, strict=True))], elapsed

@@ -65,14 +65,18 @@ class ServiceProcess:
         self._log.flush()
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
-    def stop(self, timeout: float = 20) -> None:
+    def terminate(self) -> None:
+        """Asks the service to drain and exit (SIGTERM); see :meth:`stop`."""
         if self.process.poll() is None:
             self.process.terminate()
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
+
+    def stop(self, timeout: float = 20) -> None:
+        self.terminate()
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
         self._log.close()
 
 
@@ -94,6 +98,9 @@ class Stack:
             service.wait_ready(timeout)
 
     def stop(self) -> None:
+        """Drains every service at once (gateways first in signal order), then reaps them."""
+        for service in reversed(self.services):
+            service.terminate()
         for service in reversed(self.services):
             service.stop()
         self.services.clear()

@@ -227,7 +227,9 @@ async def test_unreachable_producer_raises_transfer_error(producer: Producer) ->
         probe.bind(("127.0.0.1", 0))
         dead_port = probe.getsockname()[1]
     ghost = dataclasses.replace(region, agent_name="ghost", agent_address=f"127.0.0.1:{dead_port}")
-    short_fetcher = EmbeddingFetcher(agent_name="test-impatient", buffer_bytes=1 << 20, timeout_s=1.0)
+    short_fetcher = EmbeddingFetcher(
+        agent_name="test-impatient", buffer_bytes=1 << 20, timeout_s=1.0
+    )
     try:
         with pytest.raises(TransferError, match="ghost"):
             await short_fetcher.fetch([ghost])
@@ -299,7 +301,9 @@ def test_unknown_lease_release_is_a_no_op(small_arena: EmbeddingArena) -> None:
 
 
 async def test_expired_lease_is_refused_then_reaped() -> None:
-    arena = EmbeddingArena(agent_name="test-expiring", slot_bytes=1024, num_slots=4, lease_ttl_s=0.2)
+    arena = EmbeddingArena(
+        agent_name="test-expiring", slot_bytes=1024, num_slots=4, lease_ttl_s=0.2
+    )
     fetcher = EmbeddingFetcher(agent_name="test-late", buffer_bytes=1 << 16, expiry_margin_s=0.0)
     try:
         region = arena.publish(torch.ones(16))

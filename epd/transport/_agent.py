@@ -32,21 +32,25 @@ XferState = Literal["DONE", "PROC", "ERR"]
 
 
 class NixlAgent:
-    """One NIXL agent with the UCX backend, a progress thread and a metadata listener."""
+    """One NIXL agent with the UCX backend and a metadata listener thread."""
 
-    def __init__(self, name: str, *, listen_port: int) -> None:
+    def __init__(self, name: str, *, listen_port: int, progress_thread: bool) -> None:
         """Creates the agent and starts its threads.
 
         Args:
             name: Agent name; peers address this agent by it, so it must be unique among peers.
             listen_port: TCP port for the metadata listener, bound on all interfaces. 0 lets the
                 OS choose, but NIXL cannot report which port it got.
+            progress_thread: Whether a thread progresses UCX in the background. A READ's target
+                needs one: nothing else would answer connection setup, take in notifications
+                or, over TCP, serve the READ itself. An initiator progresses its transfers by
+                polling their state; a background thread there only competes for the worker.
 
         Raises:
             RuntimeError: If NIXL cannot start, e.g. the listener port is taken.
         """
         config = nixlb.nixlAgentConfig()
-        import os; config.useProgThread = os.environ.get("NOPROG") != "1"
+        config.useProgThread = progress_thread
         config.pthrDelay = _PROGRESS_WAKEUP_US
         config.useListenThread = True
         config.listenPort = listen_port
