@@ -16,6 +16,7 @@ from epd.v1 import gateway_pb2, gateway_pb2_grpc
 from gateway.pipeline import Delta, Finished, Timings, Usage
 
 _DONE = object()
+_ABORTED = object()
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
@@ -49,11 +50,12 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self._in_flight[generate.request_id] = task
         try:
             while (event := await events.get()) is not _DONE:
+                if event is _ABORTED:
+                    yield _event_to_wire(Finished(FinishReason.ABORT, Usage(0, 0, 0), Timings()))
+                    break
                 if isinstance(event, BaseException):
                     raise event
                 yield _event_to_wire(event)
-            if task.cancelled():
-                yield _event_to_wire(Finished(FinishReason.ABORT, Usage(0, 0, 0), Timings()))
         finally:
             del self._in_flight[generate.request_id]
             task.cancel()
@@ -66,7 +68,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             async for event in stream:
                 events.put_nowait(event)
         except asyncio.CancelledError:
-            events.put_nowait(_DONE)
+            events.put_nowait(_ABORTED)  # by Abort; a dropped client is no longer reading
             raise
         except Exception as exc:  # noqa: BLE001 - re-raised in the RPC handler
             events.put_nowait(exc)

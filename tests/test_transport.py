@@ -116,7 +116,7 @@ def producer() -> Iterator[Producer]:
     process.start()
     try:
         assert parent_conn.poll(30), "producer process did not start"
-        parent_conn.recv()
+        parent_conn.recv()  # the arena is up once it reports its address
         yield Producer(parent_conn)
         parent_conn.send(("close", ()))
         process.join(10)

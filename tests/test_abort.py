@@ -1,0 +1,33 @@
+"""Abort ends a stream with FINISH_REASON_ABORT and frees its stages; unknown ids are NOT_FOUND."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from epd.client import chat_request
+from epd.testing import synthetic_image_png
+from epd.v1 import common_pb2, gateway_pb2
+from tests.helpers import wait_for_metric
+
+
+async def test_abort_ends_the_stream_and_frees_everything(family_stack):
+    stub = family_stack.gateway_stub("epd")
+    request = chat_request([(synthetic_image_png(128, 128, seed=44), "image/png"), "Go on."], max_tokens=2000, min_tokens=2000, request_id="to-abort")
+    events = []
+    async for response in stub.Generate(request, timeout=120):
+        events.append(response)
+        if len(events) == 3:
+            await stub.Abort(gateway_pb2.AbortRequest(request_id="to-abort"), timeout=10)
+    assert events[-1].HasField("finished")
+    assert events[-1].finished.finish_reason == common_pb2.FINISH_REASON_ABORT
+    assert sum(len(e.delta.token_ids) for e in events if e.HasField("delta")) < 2000
+    assert await wait_for_metric(family_stack.encoder.metrics_port, "epd_arena_leases", 0.0) == 0.0
+    # Cancellation reached the decode stage: its stream (and engine request) ended.
+    assert await wait_for_metric(family_stack.decode.metrics_port, "epd_requests_in_flight", 0.0) == 0.0
+
+
+async def test_abort_of_unknown_request_is_not_found(family_stack):
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await family_stack.gateway_stub("epd").Abort(gateway_pb2.AbortRequest(request_id="never-sent"), timeout=10)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
