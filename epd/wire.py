@@ -158,10 +158,10 @@ def generate_request_from_wire(msg: gateway_pb2.GenerateRequest) -> GenerateRequ
     return GenerateRequest(request_id=msg.request_id or uuid.uuid4().hex, messages=tuple(messages), sampling=sampling)
 
 
-def media_paths(msg_or_request: GenerateRequest) -> list[str]:
+def media_paths(request: GenerateRequest) -> list[str]:
     """Public field paths of each media item, in prompt order (for remapping stage errors)."""
     paths = []
-    for mi, message in enumerate(msg_or_request.messages):
+    for mi, message in enumerate(request.messages):
         for pi, part in enumerate(message.parts):
             if isinstance(part, MediaInput):
                 paths.append(f"messages[{mi}].parts[{pi}].{part.modality.value}")

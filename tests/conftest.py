@@ -66,7 +66,8 @@ def _start_services(family: str, model: str, stack: Stack) -> FamilyStack:
     stack.wait_ready([encoder, prefill, decode, combined], timeout=600)
     gateways = {"monolithic": monolithic}
     gateways["epd"] = stack.start(
-        "gateway-epd", ["gateway", "--model", model, "--mode", "epd", "--encoder", encoder.address, "--prefill", prefill.address, "--decode", decode.address]
+        "gateway-epd",
+        ["gateway", "--model", model, "--mode", "epd", "--encoder", encoder.address, "--prefill", prefill.address, "--decode", decode.address, *metrics],
     )
     gateways["epd-combined"] = stack.start(
         "gateway-combined", ["gateway", "--model", model, "--mode", "epd-combined", "--encoder", encoder.address, "--decode", combined.address]

@@ -1,0 +1,44 @@
+"""Operational contract: standard health (liveness "" and readiness by service name), server
+reflection, and Prometheus metrics named epd_* on every service."""
+
+from __future__ import annotations
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from tests.helpers import scrape
+
+SERVICES = {
+    "encoder": "epd.v1.EncoderService",
+    "prefill": "epd.v1.PrefillService",
+    "decode": "epd.v1.DecodeService",
+    "combined": "epd.v1.DecodeService",
+}
+
+
+async def _reflected_services(channel) -> list[str]:
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+
+    async def requests():
+        yield reflection_pb2.ServerReflectionRequest(list_services="")
+
+    async for response in stub.ServerReflectionInfo(requests()):
+        return [s.name for s in response.list_services_response.service]
+    return []
+
+
+async def test_health_reflection_and_metrics(family_stack):
+    targets = {name: (getattr(family_stack, name), service) for name, service in SERVICES.items()}
+    targets["gateway"] = (family_stack.gateways["epd"], "epd.v1.GatewayService")
+    for name, (process, service) in targets.items():
+        async with grpc.aio.insecure_channel(process.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            for probe in ("", service):
+                response = await health.Check(health_pb2.HealthCheckRequest(service=probe), timeout=5)
+                assert response.status == health_pb2.HealthCheckResponse.SERVING, (name, probe)
+            assert {service, "grpc.health.v1.Health"} <= set(await _reflected_services(channel)), name
+        if process.metrics_port is not None:
+            names = scrape(process.metrics_port)
+            assert "epd_requests_in_flight" in names, name
+            assert not [n for n in names if n.startswith("epd") and ":" in n]
