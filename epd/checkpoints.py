@@ -379,8 +379,7 @@ def _build_tokenizer(spec: _Family) -> tokenizers.Tokenizer:
     rebuilds around the vocabulary and merges when it loads ``tokenizer.json``, so the raw
     ``tokenizers`` object and the transformers tokenizer encode identically.
     """
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
-    from tokenizers import processors, trainers
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE())
     tokenizer.normalizer = normalizers.NFC()

@@ -22,12 +22,12 @@ from collections.abc import AsyncIterator
 import grpc
 
 from epd import telemetry, wire
-from epd.domain import EncodedItem, EngineRequest, FinishReason, GenerateRequest, MediaInput, TokenRange
-from epd.errors import DeadlineExceeded, EpdError, FieldViolation, InvalidArgument, Unimplemented, Unavailable, from_rpc_error
+from epd.domain import EncodedItem, EngineRequest, FinishReason, GenerateRequest, TokenRange
+from epd.errors import DeadlineExceeded, EpdError, FieldViolation, InvalidArgument, Unavailable, Unimplemented, from_rpc_error
 from epd.media import mime_problem
 from epd.models import ModelFamily
 from epd.transport.nixl import NixlRegion
-from epd.v1 import decode_pb2_grpc, encoder_pb2, encoder_pb2_grpc, prefill_pb2_grpc
+from epd.v1 import encoder_pb2
 from gateway.prompt import PromptRenderer
 from gateway.router import StagePool
 

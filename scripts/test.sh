@@ -8,5 +8,7 @@ PY=.venv/bin/python
 echo "[test] buf lint + buf format (protos/)"
 .venv/bin/buf lint protos
 .venv/bin/buf format -d --exit-code protos
+echo "[test] ruff"
+.venv/bin/ruff check .
 echo "[test] pytest"
 exec "$PY" -m pytest -ra "$@"

@@ -10,7 +10,7 @@ import uuid
 
 from epd.embeddings import EmbeddingSource
 from epd.engine import Engine, EngineConfig
-from epd.server import GrpcHost, ServerConfig
+from epd.server import GrpcHost
 
 logger = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import grpc
 import pytest
 
 from epd.checkpoints import ensure_tiny_checkpoint
-from epd.launcher import ServiceProcess, Stack, start_disaggregated, start_monolithic
+from epd.launcher import ServiceProcess, Stack, start_monolithic
 from epd.server import CLIENT_OPTIONS
 from epd.v1 import gateway_pb2_grpc
 

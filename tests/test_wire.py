@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import grpc
+import pytest
 from google.rpc import error_details_pb2
 
 from epd import wire
@@ -10,8 +11,6 @@ from epd.domain import GridThw, ItemMetadata, Modality, TokenRange
 from epd.errors import InvalidArgument, ResourceExhausted, to_rpc_status
 from epd.models.qwen_vl import QwenVLFamily
 from epd.v1 import common_pb2, gateway_pb2
-
-import pytest
 
 
 def _request(parts, max_tokens=8):

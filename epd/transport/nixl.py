@@ -454,7 +454,7 @@ class EmbeddingFetcher:
                 raise TransferError("timed out waiting for receive-buffer space")
             try:
                 await asyncio.wait_for(self._space_freed.wait(), remaining)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass  # the loop re-checks, then raises
         return first_page
 
