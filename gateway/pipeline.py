@@ -157,10 +157,8 @@ class DisaggregatedPipeline:
             engine_request = EngineRequest(request.request_id, tuple(prompt_ids), tuple(items), request.sampling)
             if self.mode is Mode.EPD:
                 engine_request = await self._prefill(engine_request, clock, deadline)
-            decode_started = time.perf_counter()
             async for event in self._decode(engine_request, clock, deadline):
                 yield event
-            clock.timings.decode = time.perf_counter() - decode_started
             completed = True
         finally:
             if not completed:
@@ -190,7 +188,11 @@ class DisaggregatedPipeline:
                 if isinstance(item.embedding, NixlRegion):
                     leases.setdefault(address, []).append(item.embedding.lease_id)
 
-        await asyncio.gather(*(call(address, indices) for address, indices in groups.items()))
+        # Let every call finish before raising, so that each lease granted is recorded for release.
+        outcomes = await asyncio.gather(*(call(address, indices) for address, indices in groups.items()), return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
         return list(results)
 
     def _place(self, prompt_ids: list[int], items: list[EncodedItem]) -> list[EncodedItem]:
@@ -213,6 +215,7 @@ class DisaggregatedPipeline:
         return dataclasses.replace(request, kv_handoff=wire.kv_handoff_from_wire(response.kv_handoff))
 
     async def _decode(self, request: EngineRequest, clock: _Clock, deadline: float | None) -> AsyncIterator[Event]:
+        started = time.perf_counter()
         address = self.decodes.pick()
         completion_tokens = 0
         with self.decodes.busy(address) as stub, _tracer.start_as_current_span("decode"):
@@ -224,6 +227,7 @@ class DisaggregatedPipeline:
                         completion_tokens += len(response.token_ids)
                         yield Delta(list(response.token_ids), response.text)
                     if response.finish_reason:
+                        clock.timings.decode = time.perf_counter() - started
                         usage = Usage(
                             prompt_tokens=response.prompt_token_count,
                             completion_tokens=completion_tokens,

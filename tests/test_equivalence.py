@@ -39,6 +39,10 @@ async def test_greedy_tokens_match_monolithic(family_stack, family, mode, case):
     assert result.finished.finish_reason == oracle.finished.finish_reason
     assert result.finished.usage.prompt_tokens == oracle.finished.usage.prompt_tokens
     assert result.finished.usage.multimodal_tokens == oracle.finished.usage.multimodal_tokens > 0
+    timings = result.finished.timings
+    assert timings.encode.ToNanoseconds() > 0 and timings.decode.ToNanoseconds() > 0
+    assert (timings.prefill.ToNanoseconds() > 0) == (mode == "epd")
+    assert 0 < timings.time_to_first_token.ToNanoseconds() <= timings.total.ToNanoseconds()
 
 
 async def test_eight_concurrent_streams_match_monolithic(family_stack):
