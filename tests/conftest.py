@@ -19,6 +19,7 @@ from epd.checkpoints import ensure_tiny_checkpoint
 from epd.launcher import ServiceProcess, Stack, start_monolithic
 from epd.server import CLIENT_OPTIONS
 from epd.v1 import gateway_pb2_grpc
+from tests.otlp import OtlpReceiver
 
 DEFAULT_FAMILY = "qwen2_5_vl"
 CHECKPOINT_ROOT = pathlib.Path(os.environ.get("EPD_TEST_CHECKPOINTS", pathlib.Path(__file__).resolve().parents[1] / "checkpoints"))
@@ -46,28 +47,28 @@ class FamilyStack:
         return gateway_pb2_grpc.GatewayServiceStub(channel)
 
 
-def _start_family(family: str, log_dir: pathlib.Path) -> FamilyStack:
+def _start_family(family: str, log_dir: pathlib.Path, otlp_endpoint: str) -> FamilyStack:
     model = str(checkpoint(family))
     stack = Stack(log_dir / family)
     try:
-        return _start_services(family, model, stack)
+        return _start_services(family, model, stack, otlp_endpoint)
     except BaseException:
         stack.stop()
         raise
 
 
-def _start_services(family: str, model: str, stack: Stack) -> FamilyStack:
-    metrics = ["--metrics-port", "0"]
-    encoder = stack.start("encoder", ["encoder", "--model", model, *metrics])
-    prefill = stack.start("prefill", ["prefill", "--model", model, *metrics])
-    decode = stack.start("decode", ["decode", "--model", model, "--mode", "decode", *metrics])
-    combined = stack.start("combined", ["decode", "--model", model, "--mode", "combined", *metrics])
+def _start_services(family: str, model: str, stack: Stack, otlp_endpoint: str) -> FamilyStack:
+    observability = ["--metrics-port", "0", "--otlp-endpoint", otlp_endpoint]
+    encoder = stack.start("encoder", ["encoder", "--model", model, *observability])
+    prefill = stack.start("prefill", ["prefill", "--model", model, *observability])
+    decode = stack.start("decode", ["decode", "--model", model, "--mode", "decode", *observability])
+    combined = stack.start("combined", ["decode", "--model", model, "--mode", "combined", *observability])
     monolithic = start_monolithic(stack, model)
     stack.wait_ready([encoder, prefill, decode, combined], timeout=600)
     gateways = {"monolithic": monolithic}
     gateways["epd"] = stack.start(
         "gateway-epd",
-        ["gateway", "--model", model, "--mode", "epd", "--encoder", encoder.address, "--prefill", prefill.address, "--decode", decode.address, *metrics],
+        ["gateway", "--model", model, "--mode", "epd", "--encoder", encoder.address, "--prefill", prefill.address, "--decode", decode.address, *observability],
     )
     gateways["epd-combined"] = stack.start(
         "gateway-combined", ["gateway", "--model", model, "--mode", "epd-combined", "--encoder", encoder.address, "--decode", combined.address]
@@ -79,8 +80,9 @@ def _start_services(family: str, model: str, stack: Stack) -> FamilyStack:
 class StackManager:
     """Keeps at most one family's stack alive (memory: four vLLM engines per family)."""
 
-    def __init__(self, log_dir: pathlib.Path):
+    def __init__(self, log_dir: pathlib.Path, otlp: OtlpReceiver):
         self.log_dir = log_dir
+        self.otlp = otlp
         self.current: FamilyStack | None = None
 
     def get(self, family: str) -> FamilyStack:
@@ -88,7 +90,7 @@ class StackManager:
             self.current.stack.stop()
             self.current = None
         if self.current is None:
-            self.current = _start_family(family, self.log_dir)
+            self.current = _start_family(family, self.log_dir, self.otlp.endpoint)
         return self.current
 
     def close(self) -> None:
@@ -97,8 +99,17 @@ class StackManager:
 
 
 @pytest.fixture(scope="session")
-def stacks(tmp_path_factory):
-    manager = StackManager(tmp_path_factory.mktemp("service-logs"))
+def otlp_receiver():
+    """Every stack service exports its spans here."""
+    receiver = OtlpReceiver()
+    receiver.start()
+    yield receiver
+    receiver.stop()
+
+
+@pytest.fixture(scope="session")
+def stacks(tmp_path_factory, otlp_receiver):
+    manager = StackManager(tmp_path_factory.mktemp("service-logs"), otlp_receiver)
     yield manager
     manager.close()
 

@@ -3,10 +3,14 @@ reflection, and Prometheus metrics named epd_* on every service."""
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from epd.client import chat_request, generate
+from epd.testing import synthetic_image_png
 from tests.helpers import scrape
 
 SERVICES = {
@@ -42,3 +46,19 @@ async def test_health_reflection_and_metrics(family_stack):
             names = [n for n in scrape(process.metrics_port) if n.startswith("epd_")]
             assert names, name
             assert not [n for n in names if ":" in n]
+
+
+async def test_one_trace_spans_every_hop(family_stack, otlp_receiver):
+    """W3C trace context crosses gateway -> encoder -> prefill -> decode: one trace id."""
+    png = synthetic_image_png(130, 100, seed=61)
+    await generate(family_stack.gateway_stub("epd"), chat_request([(png, "image/png"), "Trace me."], max_tokens=4), timeout=120)
+    wanted = {"gateway", "encoder", "prefill", "decode-decode"}
+    deadline = asyncio.get_running_loop().time() + 20  # exporters flush in batches every few seconds
+    while True:
+        spans = otlp_receiver.spans()
+        generate_spans = [s for s in spans if s.service == "gateway" and s.name.endswith("GatewayService/Generate")]
+        traces = {s.trace_id: {t.service for t in spans if t.trace_id == s.trace_id} for s in generate_spans}
+        if any(wanted <= services for services in traces.values()) or asyncio.get_running_loop().time() > deadline:
+            break
+        await asyncio.sleep(0.5)
+    assert any(wanted <= services for services in traces.values()), traces
