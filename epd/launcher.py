@@ -29,7 +29,6 @@ class ServiceProcess:
         self.port: int | None = None
         self.metrics_port: int | None = None
         self.ready = threading.Event()
-        self.announcements: list[str] = []
         self.process = subprocess.Popen(
             [sys.executable, "-m", "epd.cli", *args],
             stdout=subprocess.PIPE,
@@ -46,7 +45,6 @@ class ServiceProcess:
 
     def _read_stdout(self) -> None:
         for line in self.process.stdout:
-            self.announcements.append(line.rstrip())
             if line.startswith("EPD_LISTENING "):
                 info = json.loads(line.split(" ", 1)[1])
                 self.port, self.metrics_port = info["port"], info["metrics_port"]

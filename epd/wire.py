@@ -61,7 +61,6 @@ _ROLE_FROM_WIRE = {
     gateway_pb2.ROLE_USER: Role.USER,
     gateway_pb2.ROLE_ASSISTANT: Role.ASSISTANT,
 }
-_ROLE_TO_WIRE = {Role.SYSTEM: gateway_pb2.ROLE_SYSTEM, Role.USER: gateway_pb2.ROLE_USER, Role.ASSISTANT: gateway_pb2.ROLE_ASSISTANT}
 _MEDIA_FIELDS = {"image": Modality.IMAGE, "video": Modality.VIDEO, "audio": Modality.AUDIO}
 
 
@@ -166,21 +165,6 @@ def media_paths(request: GenerateRequest) -> list[str]:
             if isinstance(part, MediaInput):
                 paths.append(f"messages[{mi}].parts[{pi}].{part.modality.value}")
     return paths
-
-
-def generate_request_to_wire(request: GenerateRequest) -> gateway_pb2.GenerateRequest:
-    """Builds a public request (used by the CLI client and tests)."""
-    messages = []
-    for message in request.messages:
-        parts = []
-        for part in message.parts:
-            if isinstance(part, TextPart):
-                parts.append(gateway_pb2.ContentPart(text=part.text))
-            else:
-                media = gateway_pb2.Media(data=part.data, mime_type=part.mime_type)
-                parts.append(gateway_pb2.ContentPart(**{part.modality.value: media}))
-        messages.append(gateway_pb2.ChatMessage(role=_ROLE_TO_WIRE[message.role], parts=parts))
-    return gateway_pb2.GenerateRequest(request_id=request.request_id, messages=messages, sampling=sampling_to_wire(request.sampling))
 
 
 # ---- encoder ----------------------------------------------------------------------------

@@ -6,7 +6,7 @@ very same token ids; the engines expand each placeholder from the item's metadat
 
 from __future__ import annotations
 
-from epd.domain import ChatMessage, MediaInput, TextPart
+from epd.domain import ChatMessage, TextPart
 
 
 class PromptRenderer:
@@ -28,10 +28,3 @@ class PromptRenderer:
         ]
         text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
         return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids)
-
-
-def media_in_order(messages: tuple[ChatMessage, ...]) -> list[MediaInput]:
-    return [part for message in messages for part in message.parts if isinstance(part, MediaInput)]
