@@ -20,6 +20,7 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=0, help="gRPC port; 0 picks a free one and prints it")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
     p.add_argument("--otlp-endpoint", default=None, help="export traces over OTLP/gRPC to this endpoint")
+    p.add_argument("--drain-grace-s", type=float, default=5.0, help="on SIGTERM, how long in-flight calls may finish")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -99,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
 def _server_config(args):
     from epd.server import ServerConfig
 
-    return ServerConfig(host=args.host, port=args.port, metrics_port=args.metrics_port, otlp_endpoint=args.otlp_endpoint)
+    return ServerConfig(
+        host=args.host, port=args.port, metrics_port=args.metrics_port, otlp_endpoint=args.otlp_endpoint, grace_s=args.drain_grace_s
+    )
 
 
 def _engine_config(args):
