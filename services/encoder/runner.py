@@ -98,6 +98,7 @@ class EncoderRunner:
         before = self.arena.leased_count
         for lease_id in lease_ids:
             self.arena.release(lease_id)
+        telemetry.ARENA_LEASES.set(self.arena.leased_count)
         return before - self.arena.leased_count
 
     # ---- internals ----------------------------------------------------------------------
@@ -135,7 +136,7 @@ class EncoderRunner:
                 )
                 encoded.append(EncodedItem(metadata, self._publish(embedding)))
         except BaseException:
-            self.release([e.embedding.lease_id for e in encoded if hasattr(e.embedding, "lease_id")])
+            self.release([e.embedding.lease_id for e in encoded if not isinstance(e.embedding, InlineEmbedding)])
             raise
         telemetry.ARENA_LEASES.set(self.arena.leased_count if self.arena else 0)
         return encoded
