@@ -62,7 +62,8 @@ def _start_services(family: str, model: str, stack: Stack, otlp_endpoint: str) -
     encoder = stack.start("encoder", ["encoder", "--model", model, *observability])
     prefill = stack.start("prefill", ["prefill", "--model", model, *observability])
     decode = stack.start("decode", ["decode", "--model", model, "--mode", "decode", *observability])
-    combined = stack.start("combined", ["decode", "--model", model, "--mode", "combined", *observability])
+    # The combined instance also accepts inline embeddings (test_data_path covers both transports).
+    combined = stack.start("combined", ["decode", "--model", model, "--mode", "combined", "--allow-inline-embeddings", *observability])
     monolithic = start_monolithic(stack, model)
     stack.wait_ready([encoder, prefill, decode, combined], timeout=600)
     gateways = {"monolithic": monolithic}

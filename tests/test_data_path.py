@@ -97,3 +97,43 @@ async def test_embeddings_travel_over_nixl_and_decide_the_tokens(family_stack):
     assert normal.token_ids == (await generate(family_stack.gateway_stub("monolithic"), request, timeout=120)).token_ids
     assert len(changed.token_ids) == len(oracle.token_ids) == 16
     assert changed.token_ids != oracle.token_ids
+
+
+async def test_inline_transport_only_where_explicitly_allowed(family_stack):
+    """An encoder configured for inline embeddings gives the same tokens where the consumer
+    allows inline bytes (combined, started with --allow-inline-embeddings), and
+    FAILED_PRECONDITION where it does not (prefill)."""
+    import grpc
+
+    from epd.v1 import gateway_pb2_grpc
+
+    stack = family_stack.stack
+    request = chat_request([(synthetic_image_png(144, 120, seed=81), "image/png"), "Inline?"], max_tokens=16, min_tokens=16)
+    oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=120)
+    encoder = stack.start("encoder-inline", ["encoder", "--model", family_stack.model, "--transport", "inline"])
+    started = [encoder]
+    try:
+        stack.wait_ready([encoder], timeout=120)
+        combined = stack.start(
+            "gateway-inline-combined",
+            ["gateway", "--model", family_stack.model, "--mode", "epd-combined", "--encoder", encoder.address, "--decode", family_stack.combined.address],
+        )
+        epd = stack.start(
+            "gateway-inline-epd",
+            ["gateway", "--model", family_stack.model, "--mode", "epd", "--encoder", encoder.address,
+             "--prefill", family_stack.prefill.address, "--decode", family_stack.decode.address],
+        )
+        started += [combined, epd]
+        stack.wait_ready([combined, epd], timeout=120)
+        async with grpc.aio.insecure_channel(combined.address) as channel:
+            result = await generate(gateway_pb2_grpc.GatewayServiceStub(channel), request, timeout=120)
+        async with grpc.aio.insecure_channel(epd.address) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await generate(gateway_pb2_grpc.GatewayServiceStub(channel), request, timeout=120)
+    finally:
+        for service in started:
+            service.stop()
+            stack.services.remove(service)
+    assert result.token_ids == oracle.token_ids
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "inline" in refused.value.details()
