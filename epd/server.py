@@ -34,7 +34,7 @@ GRPC_OPTIONS: list[tuple[str, int]] = [
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
     # Accept client keepalive pings as often as every 10 s, even between calls, so idle
     # connections through meshes and NATs stay open without the server sending GOAWAY.
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
 ]
 
