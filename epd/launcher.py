@@ -6,6 +6,7 @@ stdout; the launcher reads those lines, so no port is guessed and none can colli
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -91,6 +92,17 @@ class Stack:
         self.services.append(service)
         return service
 
+    @contextlib.contextmanager
+    def temporary(self, name: str, args: list[str], timeout: float = 120):
+        """A service that lives for one ``with`` block, ready on entry, gone on exit."""
+        service = self.start(name, args)
+        try:
+            self.wait_ready([service], timeout)
+            yield service
+        finally:
+            service.stop()
+            self.services.remove(service)
+
     def wait_ready(self, services: list[ServiceProcess], timeout: float = 300) -> None:
         for service in services:
             service.wait_ready(timeout)
@@ -104,18 +116,24 @@ class Stack:
         self.services.clear()
 
 
-def start_disaggregated(stack: Stack, model: str, mode: str, *, encoders: int = 1, prefills: int = 1, decodes: int = 1, encoder_args=(), gateway_args=()) -> ServiceProcess:
+def gateway_args(model: str, mode: str, *, encoders=(), prefills=(), decodes=(), extra=()) -> list[str]:
+    """``epd gateway`` arguments for the given stage addresses."""
+    args = ["gateway", "--model", model, "--mode", mode]
+    for flag, addresses in (("--encoder", encoders), ("--prefill", prefills), ("--decode", decodes)):
+        args += [arg for address in addresses for arg in (flag, address)]
+    return [*args, *extra]
+
+
+def start_disaggregated(stack: Stack, model: str, mode: str, *, encoders: int = 1, prefills: int = 1, decodes: int = 1) -> ServiceProcess:
     """Starts encoders, prefills (E/P/D only), decodes and a gateway; returns the gateway."""
     model_flag = ["--model", model]
-    stage = [stack.start(f"encoder{i}", ["encoder", *model_flag, *encoder_args]) for i in range(encoders)]
+    stage = [stack.start(f"encoder{i}", ["encoder", *model_flag]) for i in range(encoders)]
     pre = [stack.start(f"prefill{i}", ["prefill", *model_flag]) for i in range(prefills if mode == "epd" else 0)]
     dec_mode = "decode" if mode == "epd" else "combined"
     dec = [stack.start(f"decode{i}", ["decode", *model_flag, "--mode", dec_mode]) for i in range(decodes)]
     stack.wait_ready(stage + pre + dec)
-    addresses = [arg for s in stage for arg in ("--encoder", s.address)]
-    addresses += [arg for s in pre for arg in ("--prefill", s.address)]
-    addresses += [arg for s in dec for arg in ("--decode", s.address)]
-    gateway = stack.start(f"gateway-{mode}", ["gateway", *model_flag, "--mode", mode, *addresses, *gateway_args])
+    args = gateway_args(model, mode, encoders=[s.address for s in stage], prefills=[s.address for s in pre], decodes=[s.address for s in dec])
+    gateway = stack.start(f"gateway-{mode}", args)
     stack.wait_ready([gateway])
     return gateway
 

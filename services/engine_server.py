@@ -31,8 +31,9 @@ def embedding_source(config: EmbeddingReceiveConfig, role: str) -> EmbeddingSour
     return EmbeddingSource(fetcher, allow_inline=config.allow_inline)
 
 
-async def serve_engine(host: GrpcHost, servicer, engine_config: EngineConfig) -> None:
-    """Serves until SIGTERM; the servicer must already be registered on ``host.server``."""
+async def serve_engine(host: GrpcHost, servicer, engine_config: EngineConfig, source: EmbeddingSource | None) -> None:
+    """Serves until SIGTERM; the servicer must already be registered on ``host.server``.
+    ``source`` (the servicer's embedding reader, if any) is closed last."""
     await host.start()
     engine = Engine(engine_config)
     try:
@@ -43,7 +44,6 @@ async def serve_engine(host: GrpcHost, servicer, engine_config: EngineConfig) ->
     finally:
         await host.stop()
         engine.shutdown()
-        source = getattr(servicer, "source", None)
         if source is not None and source.fetcher is not None:
             source.fetcher.close()
 

@@ -12,13 +12,12 @@ import dataclasses
 import os
 import pathlib
 
-import grpc
 import pytest
 
 from epd.checkpoints import ensure_tiny_checkpoint
-from epd.launcher import ServiceProcess, Stack, start_monolithic
-from epd.server import CLIENT_OPTIONS
+from epd.launcher import ServiceProcess, Stack, gateway_args, start_monolithic
 from epd.v1 import gateway_pb2_grpc
+from tests.helpers import gateway_stub
 from tests.otlp import OtlpReceiver
 
 DEFAULT_FAMILY = "qwen2_5_vl"
@@ -43,8 +42,7 @@ class FamilyStack:
     gateways: dict[str, ServiceProcess]
 
     def gateway_stub(self, mode: str) -> gateway_pb2_grpc.GatewayServiceStub:
-        channel = grpc.aio.insecure_channel(self.gateways[mode].address, options=CLIENT_OPTIONS)
-        return gateway_pb2_grpc.GatewayServiceStub(channel)
+        return gateway_stub(self.gateways[mode].address)
 
 
 def _start_family(family: str, log_dir: pathlib.Path, otlp_endpoint: str) -> FamilyStack:
@@ -69,11 +67,9 @@ def _start_services(family: str, model: str, stack: Stack, otlp_endpoint: str) -
     gateways = {"monolithic": monolithic}
     gateways["epd"] = stack.start(
         "gateway-epd",
-        ["gateway", "--model", model, "--mode", "epd", "--encoder", encoder.address, "--prefill", prefill.address, "--decode", decode.address, *observability],
+        gateway_args(model, "epd", encoders=[encoder.address], prefills=[prefill.address], decodes=[decode.address], extra=observability),
     )
-    gateways["epd-combined"] = stack.start(
-        "gateway-combined", ["gateway", "--model", model, "--mode", "epd-combined", "--encoder", encoder.address, "--decode", combined.address]
-    )
+    gateways["epd-combined"] = stack.start("gateway-combined", gateway_args(model, "epd-combined", encoders=[encoder.address], decodes=[combined.address]))
     stack.wait_ready(list(gateways.values()), timeout=600)
     return FamilyStack(family, model, stack, encoder, prefill, decode, combined, gateways)
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 import asyncio
 import urllib.request
 
+import grpc
 from prometheus_client.parser import text_string_to_metric_families
+
+from epd.server import CLIENT_OPTIONS
+from epd.v1 import gateway_pb2_grpc
+
+
+def gateway_stub(address: str) -> gateway_pb2_grpc.GatewayServiceStub:
+    return gateway_pb2_grpc.GatewayServiceStub(grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS))
 
 
 def scrape(metrics_port: int) -> dict[str, float]:

@@ -3,13 +3,15 @@ embeddings really decide the output."""
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
 from epd.client import chat_request, generate
+from epd.launcher import gateway_args
 from epd.testing import synthetic_image_png
 from epd.v1 import decode_pb2, prefill_pb2
 from tests.conftest import checkpoint
-from tests.helpers import scrape
+from tests.helpers import gateway_stub, scrape
 from tests.tap import RecordingProxy
 
 
@@ -22,21 +24,12 @@ async def test_no_media_bytes_reach_prefill_or_decode(family_stack, mode):
     decode_target = family_stack.decode if mode == "epd" else family_stack.combined
     decode_tap = RecordingProxy(decode_target.address, streaming=frozenset({"Decode"}))
     prefill_tap = RecordingProxy(family_stack.prefill.address)
-    args = ["gateway", "--model", family_stack.model, "--mode", mode, "--encoder", family_stack.encoder.address]
-    args += ["--decode", await decode_tap.start()]
-    if mode == "epd":
-        args += ["--prefill", await prefill_tap.start()]
-    gateway = family_stack.stack.start(f"gateway-tapped-{mode}", args)
+    prefills = [await prefill_tap.start()] if mode == "epd" else []
+    args = gateway_args(family_stack.model, mode, encoders=[family_stack.encoder.address], prefills=prefills, decodes=[await decode_tap.start()])
     try:
-        family_stack.stack.wait_ready([gateway], timeout=120)
-        import grpc
-
-        from epd.v1 import gateway_pb2_grpc
-
-        async with grpc.aio.insecure_channel(gateway.address) as channel:
-            result = await generate(gateway_pb2_grpc.GatewayServiceStub(channel), request, timeout=120)
+        with family_stack.stack.temporary(f"gateway-tapped-{mode}", args) as gateway:
+            result = await generate(gateway_stub(gateway.address), request, timeout=120)
     finally:
-        gateway.stop()
         await decode_tap.stop()
         await prefill_tap.stop()
 
@@ -70,29 +63,16 @@ async def test_embeddings_travel_over_nixl_and_decide_the_tokens(family_stack):
 
     stack = family_stack.stack
     other = str(checkpoint(family_stack.family, vision_seed=1))
-    encoder = stack.start("encoder-other-vision", ["encoder", "--model", other])
-    try:
-        stack.wait_ready([encoder], timeout=120)
-        gateway = stack.start(
-            "gateway-other-vision",
-            ["gateway", "--model", family_stack.model, "--mode", "epd", "--encoder", encoder.address,
-             "--prefill", family_stack.prefill.address, "--decode", family_stack.decode.address],
+    # A new image: the engines key their caches by content hash, so a hash they have seen
+    # would bring back KV computed from the first encoder's embeddings.
+    other_request = chat_request([(synthetic_image_png(170, 110, seed=34), "image/png"), "Describe."], max_tokens=16)
+    with stack.temporary("encoder-other-vision", ["encoder", "--model", other]) as encoder:
+        args = gateway_args(
+            family_stack.model, "epd", encoders=[encoder.address], prefills=[family_stack.prefill.address], decodes=[family_stack.decode.address]
         )
-        stack.wait_ready([gateway], timeout=120)
-        import grpc
-
-        from epd.v1 import gateway_pb2_grpc
-
-        # A new image: the engines key their caches by content hash, so a hash they have seen
-        # would bring back KV computed from the first encoder's embeddings.
-        other_request = chat_request([(synthetic_image_png(170, 110, seed=34), "image/png"), "Describe."], max_tokens=16)
-        async with grpc.aio.insecure_channel(gateway.address) as channel:
-            changed = await generate(gateway_pb2_grpc.GatewayServiceStub(channel), other_request, timeout=120)
-        oracle = await generate(family_stack.gateway_stub("monolithic"), other_request, timeout=120)
-    finally:
-        for service in [s for s in stack.services if s.name.endswith("other-vision")]:
-            service.stop()
-            stack.services.remove(service)
+        with stack.temporary("gateway-other-vision", args) as gateway:
+            changed = await generate(gateway_stub(gateway.address), other_request, timeout=120)
+    oracle = await generate(family_stack.gateway_stub("monolithic"), other_request, timeout=120)
 
     assert normal.token_ids == (await generate(family_stack.gateway_stub("monolithic"), request, timeout=120)).token_ids
     assert len(changed.token_ids) == len(oracle.token_ids) == 16
@@ -103,37 +83,18 @@ async def test_inline_transport_only_where_explicitly_allowed(family_stack):
     """An encoder configured for inline embeddings gives the same tokens where the consumer
     allows inline bytes (combined, started with --allow-inline-embeddings), and
     FAILED_PRECONDITION where it does not (prefill)."""
-    import grpc
-
-    from epd.v1 import gateway_pb2_grpc
-
     stack = family_stack.stack
+    model = family_stack.model
     request = chat_request([(synthetic_image_png(144, 120, seed=81), "image/png"), "Inline?"], max_tokens=16, min_tokens=16)
     oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=120)
-    encoder = stack.start("encoder-inline", ["encoder", "--model", family_stack.model, "--transport", "inline"])
-    started = [encoder]
-    try:
-        stack.wait_ready([encoder], timeout=120)
-        combined = stack.start(
-            "gateway-inline-combined",
-            ["gateway", "--model", family_stack.model, "--mode", "epd-combined", "--encoder", encoder.address, "--decode", family_stack.combined.address],
-        )
-        epd = stack.start(
-            "gateway-inline-epd",
-            ["gateway", "--model", family_stack.model, "--mode", "epd", "--encoder", encoder.address,
-             "--prefill", family_stack.prefill.address, "--decode", family_stack.decode.address],
-        )
-        started += [combined, epd]
-        stack.wait_ready([combined, epd], timeout=120)
-        async with grpc.aio.insecure_channel(combined.address) as channel:
-            result = await generate(gateway_pb2_grpc.GatewayServiceStub(channel), request, timeout=120)
-        async with grpc.aio.insecure_channel(epd.address) as channel:
+    with stack.temporary("encoder-inline", ["encoder", "--model", model, "--transport", "inline"]) as encoder:
+        combined_args = gateway_args(model, "epd-combined", encoders=[encoder.address], decodes=[family_stack.combined.address])
+        with stack.temporary("gateway-inline-combined", combined_args) as gateway:
+            result = await generate(gateway_stub(gateway.address), request, timeout=120)
+        epd_args = gateway_args(model, "epd", encoders=[encoder.address], prefills=[family_stack.prefill.address], decodes=[family_stack.decode.address])
+        with stack.temporary("gateway-inline-epd", epd_args) as gateway:
             with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await generate(gateway_pb2_grpc.GatewayServiceStub(channel), request, timeout=120)
-    finally:
-        for service in started:
-            service.stop()
-            stack.services.remove(service)
+                await generate(gateway_stub(gateway.address), request, timeout=120)
     assert result.token_ids == oracle.token_ids
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "inline" in refused.value.details()

@@ -25,18 +25,10 @@ def _encode_request(seed: int) -> encoder_pb2.EncodeRequest:
 @pytest.fixture
 def small_encoder(family_stack):
     """An encoder with a 4-slot arena and a long batching window."""
-    stack = family_stack.stack
-    encoder = stack.start(
-        "encoder-small-arena",
-        ["encoder", "--model", family_stack.model, "--metrics-port", "0", "--batch-wait-ms", "500",
-         "--arena-slots", str(SLOTS), "--arena-slot-bytes", "16384", "--lease-ttl-s", "120"],
-    )
-    try:
-        stack.wait_ready([encoder], timeout=120)
+    args = ["encoder", "--model", family_stack.model, "--metrics-port", "0", "--batch-wait-ms", "500"]
+    args += ["--arena-slots", str(SLOTS), "--arena-slot-bytes", "16384", "--lease-ttl-s", "120"]
+    with family_stack.stack.temporary("encoder-small-arena", args) as encoder:
         yield encoder
-    finally:
-        encoder.stop()
-        stack.services.remove(encoder)
 
 
 async def test_batching_arena_exhaustion_and_release(small_encoder, family_stack):

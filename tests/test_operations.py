@@ -11,9 +11,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from epd.client import chat_request, generate
+from epd.launcher import gateway_args
 from epd.testing import synthetic_image_png
-from epd.v1 import gateway_pb2_grpc
-from tests.helpers import scrape
+from tests.helpers import gateway_stub, scrape
 
 SERVICES = {
     "encoder": "epd.v1.EncoderService",
@@ -67,31 +67,23 @@ async def test_one_trace_spans_every_hop(family_stack, otlp_receiver):
 
 
 async def test_sigterm_drains_in_flight_streams_and_refuses_new_ones(family_stack):
-    stack = family_stack.stack
-    gateway = stack.start(
-        "gateway-draining",
-        ["gateway", "--model", family_stack.model, "--mode", "epd-combined", "--encoder", family_stack.encoder.address,
-         "--decode", family_stack.combined.address, "--drain-grace-s", "60"],
+    args = gateway_args(
+        family_stack.model, "epd-combined", encoders=[family_stack.encoder.address], decodes=[family_stack.combined.address], extra=["--drain-grace-s", "60"]
     )
-    try:
-        stack.wait_ready([gateway], timeout=120)
-        async with grpc.aio.insecure_channel(gateway.address) as channel:
-            stub = gateway_pb2_grpc.GatewayServiceStub(channel)
-            request = chat_request([(synthetic_image_png(120, 120, seed=71), "image/png"), "Drain."], max_tokens=32, min_tokens=32)
-            stream = stub.Generate(request, timeout=120)
-            first = await stream.read()
-            assert first.HasField("delta")
-            gateway.terminate()
-            await asyncio.sleep(0.5)
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await generate(stub, request, timeout=30)
-            assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-            tokens = len(first.delta.token_ids)
-            while (response := await stream.read()) is not grpc.aio.EOF:
-                tokens += len(response.delta.token_ids)
-                last = response
+    with family_stack.stack.temporary("gateway-draining", args) as gateway:
+        stub = gateway_stub(gateway.address)
+        request = chat_request([(synthetic_image_png(120, 120, seed=71), "image/png"), "Drain."], max_tokens=32, min_tokens=32)
+        stream = stub.Generate(request, timeout=120)
+        first = await stream.read()
+        assert first.HasField("delta")
+        gateway.terminate()
+        await asyncio.sleep(0.5)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await generate(stub, request, timeout=30)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        tokens = len(first.delta.token_ids)
+        while (response := await stream.read()) is not grpc.aio.EOF:
+            tokens += len(response.delta.token_ids)
+            last = response
         assert last.HasField("finished") and tokens == 32
         assert gateway.process.wait(60) == 0
-    finally:
-        gateway.stop()
-        stack.services.remove(gateway)

@@ -23,4 +23,4 @@ async def serve(mode: DecodeMode, engine: EngineConfig, receive: EmbeddingReceiv
     host = GrpcHost(server, service_name=f"decode-{mode.value}", full_service_name=decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name)
     servicer = DecodeServicer(mode, load_family(engine.model), source)
     decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, host.server)
-    await serve_engine(host, servicer, engine)
+    await serve_engine(host, servicer, engine, source)

@@ -15,6 +15,7 @@ from services.prefill.servicer import PrefillServicer
 async def serve(engine: EngineConfig, receive: EmbeddingReceiveConfig, server: ServerConfig) -> None:
     engine = dataclasses.replace(engine, kv_role=KvRole.PRODUCER)
     host = GrpcHost(server, service_name="prefill", full_service_name=prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name)
-    servicer = PrefillServicer(load_family(engine.model), embedding_source(receive, "prefill"))
+    source = embedding_source(receive, "prefill")
+    servicer = PrefillServicer(load_family(engine.model), source)
     prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, host.server)
-    await serve_engine(host, servicer, engine)
+    await serve_engine(host, servicer, engine, source)
