@@ -31,7 +31,27 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--kv-cache-gib", type=int, default=1, help="CPU only: KV cache size")
     p.add_argument("--max-images-per-prompt", type=int, default=8)
+    p.add_argument("--max-videos-per-prompt", type=int, default=2)
+    p.add_argument("--max-audios-per-prompt", type=int, default=4)
     p.add_argument("--nixl-side-channel-port", type=int, default=0, help="vLLM NixlConnector side channel; 0 picks one")
+
+
+def _media_limit_flags(p: argparse.ArgumentParser) -> None:
+    """Limits on media a request may carry; the gateway checks sizes, the decoder the rest."""
+    from epd.media import MediaLimits
+
+    d = MediaLimits()
+    p.add_argument("--max-item-bytes", type=int, default=d.max_item_bytes)
+    p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes)
+    p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels, help="per image and per video frame")
+    p.add_argument("--max-video-frames", type=int, default=d.max_video_frames, help="frames in the source video, before sampling")
+    p.add_argument("--max-audio-s", type=float, default=d.max_audio_s, help="the model's own cap applies too")
+
+
+def _media_limits(args):
+    from epd.media import MediaLimits
+
+    return MediaLimits(args.max_item_bytes, args.max_request_bytes, args.max_image_pixels, args.max_video_frames, args.max_audio_s)
 
 
 def _receive_flags(p: argparse.ArgumentParser) -> None:
@@ -53,6 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
     enc.add_argument("--lease-ttl-s", type=float, default=60.0)
     enc.add_argument("--max-batch-items", type=int, default=16)
     enc.add_argument("--batch-wait-ms", type=float, default=5.0)
+    _media_limit_flags(enc)
 
     pre = sub.add_parser("prefill", help="run the prefill service (KV producer)")
     _server_flags(pre)
@@ -72,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--encoder", action="append", default=[], help="encoder address (repeat for several)")
     gw.add_argument("--prefill", action="append", default=[], help="prefill address (repeat for several)")
     gw.add_argument("--decode", action="append", default=[], help="decode address (repeat for several)")
+    _media_limit_flags(gw)
 
     up = sub.add_parser("up", help="build the tiny checkpoint if needed and run the whole stack on loopback")
     up.add_argument("--model", default=None, help="checkpoint directory (default: the tiny built-in one)")
@@ -85,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen = sub.add_parser("generate", help="stream a reply from a gateway")
     gen.add_argument("prompt")
     gen.add_argument("--gateway", default="127.0.0.1:50051")
-    gen.add_argument("--image", action="append", default=[], help="image file (repeat for several)")
+    gen.add_argument("--media", action="append", default=[], help="image, video or audio file, in prompt order (repeat for several)")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
 
@@ -115,6 +137,8 @@ def _engine_config(args):
         max_num_seqs=args.max_num_seqs,
         kv_cache_gib=args.kv_cache_gib,
         max_images_per_prompt=args.max_images_per_prompt,
+        max_videos_per_prompt=args.max_videos_per_prompt,
+        max_audios_per_prompt=args.max_audios_per_prompt,
         nixl_side_channel_host=args.host if args.host != "0.0.0.0" else "127.0.0.1",
         nixl_side_channel_port=args.nixl_side_channel_port,
     )
@@ -144,6 +168,7 @@ def _run_service(args) -> None:
             max_batch_items=args.max_batch_items,
             batch_wait_s=args.batch_wait_ms / 1000,
             nixl_listen_host=args.host if args.host != "0.0.0.0" else "127.0.0.1",
+            limits=_media_limits(args),
         )
         asyncio.run(serve(config, _server_config(args)))
     elif args.command == "prefill":
@@ -160,7 +185,12 @@ def _run_service(args) -> None:
         from gateway.server import GatewayConfig, serve
 
         config = GatewayConfig(
-            model=args.model, mode=Mode(args.mode), encoders=tuple(args.encoder), prefills=tuple(args.prefill), decodes=tuple(args.decode)
+            model=args.model,
+            mode=Mode(args.mode),
+            encoders=tuple(args.encoder),
+            prefills=tuple(args.prefill),
+            decodes=tuple(args.decode),
+            limits=_media_limits(args),
         )
         asyncio.run(serve(config, _server_config(args), _engine_config(args)))
 
@@ -178,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate":
         from epd.client import generate_cli
 
-        return asyncio.run(generate_cli(args.gateway, args.prompt, [pathlib.Path(p) for p in args.image], args.max_tokens, args.temperature))
+        return asyncio.run(generate_cli(args.gateway, args.prompt, [pathlib.Path(p) for p in args.media], args.max_tokens, args.temperature))
     from epd.launcher import up_cli
 
     return up_cli(args)

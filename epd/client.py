@@ -10,7 +10,7 @@ import sys
 import grpc
 
 from epd.server import CLIENT_OPTIONS
-from epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc, multimodal_pb2
 
 
 @dataclasses.dataclass
@@ -22,14 +22,29 @@ class GenerateResult:
     finished: gateway_pb2.GenerateFinished
 
 
+def content_part(part) -> gateway_pb2.ContentPart:
+    """A content part from str (text), (bytes, mime) (a media file, its modality taken from the
+    MIME type), or a ``Video`` or ``Audio`` message (frames, PCM, sampling options)."""
+    if isinstance(part, str):
+        return gateway_pb2.ContentPart(text=part)
+    if isinstance(part, multimodal_pb2.Video):
+        return gateway_pb2.ContentPart(video=part)
+    if isinstance(part, multimodal_pb2.Audio):
+        return gateway_pb2.ContentPart(audio=part)
+    data, mime_type = part
+    media = multimodal_pb2.Media(data=data, mime_type=mime_type)
+    if mime_type.startswith("video/"):
+        return gateway_pb2.ContentPart(video=multimodal_pb2.Video(file=media))
+    if mime_type.startswith("audio/"):
+        return gateway_pb2.ContentPart(audio=multimodal_pb2.Audio(file=media))
+    return gateway_pb2.ContentPart(image=media)
+
+
 def chat_request(
     parts: list, *, max_tokens: int, temperature: float = 0.0, min_tokens: int = 0, request_id: str = ""
 ) -> gateway_pb2.GenerateRequest:
-    """A single-user-message request. ``parts`` holds str (text) or (bytes, mime) (an image)."""
-    content = [
-        gateway_pb2.ContentPart(text=p) if isinstance(p, str) else gateway_pb2.ContentPart(image=gateway_pb2.Media(data=p[0], mime_type=p[1]))
-        for p in parts
-    ]
+    """A single-user-message request; ``parts`` as :func:`content_part` takes them."""
+    content = [content_part(p) for p in parts]
     return gateway_pb2.GenerateRequest(
         request_id=request_id,
         messages=[gateway_pb2.ChatMessage(role=gateway_pb2.ROLE_USER, parts=content)],
@@ -52,8 +67,9 @@ async def generate(stub: gateway_pb2_grpc.GatewayServiceStub, request: gateway_p
     return GenerateResult(token_ids, "".join(text), finished)
 
 
-async def generate_cli(address: str, prompt: str, images: list[pathlib.Path], max_tokens: int, temperature: float) -> int:
-    parts: list = [(p.read_bytes(), mimetypes.guess_type(p.name)[0] or "application/octet-stream") for p in images]
+async def generate_cli(address: str, prompt: str, media: list[pathlib.Path], max_tokens: int, temperature: float) -> int:
+    """Streams a reply for media files (image, video or audio, by file type) and a prompt."""
+    parts: list = [(p.read_bytes(), mimetypes.guess_type(p.name)[0] or "application/octet-stream") for p in media]
     parts.append(prompt)
     async with grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS) as channel:
         stub = gateway_pb2_grpc.GatewayServiceStub(channel)

@@ -45,17 +45,88 @@ class TokenRange:
 
 
 @dataclass(frozen=True)
-class MediaInput:
-    """One media item as the gateway receives it: bytes plus MIME type."""
+class MediaFile:
+    """Encoded media bytes (an image, video or audio file) with their MIME type."""
 
-    modality: Modality
     data: bytes
     mime_type: str
-    content_hash: str
 
-    @staticmethod
-    def hash_bytes(data: bytes) -> str:
-        return hashlib.sha256(data).hexdigest()
+
+@dataclass(frozen=True)
+class VideoFrames:
+    """A video as caller-decoded frames, each an encoded image, captured at ``fps``."""
+
+    frames: tuple[MediaFile, ...]
+    fps: float
+
+
+@dataclass(frozen=True)
+class VideoSampling:
+    """Requested frame sampling; None takes the model's processor default."""
+
+    fps: float | None = None
+    max_frames: int | None = None
+
+
+class PcmEncoding(enum.Enum):
+    S16LE = "s16le"
+    F32LE = "f32le"
+
+
+@dataclass(frozen=True)
+class PcmAudio:
+    """Raw interleaved PCM samples with their declared format."""
+
+    data: bytes
+    sample_rate_hz: int
+    channels: int
+    encoding: PcmEncoding
+
+
+MediaSource = MediaFile | VideoFrames | PcmAudio
+
+
+@dataclass(frozen=True)
+class MediaInput:
+    """One media item as the gateway receives it. Only the encoder (and the monolithic oracle)
+    ever decodes it."""
+
+    modality: Modality
+    source: MediaSource
+    content_hash: str
+    video_sampling: VideoSampling = VideoSampling()
+
+    @classmethod
+    def of(cls, modality: Modality, source: MediaSource, video_sampling: VideoSampling = VideoSampling()) -> MediaInput:
+        return cls(modality, source, content_hash(source, video_sampling), video_sampling)
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes, for the size limits."""
+        if isinstance(self.source, VideoFrames):
+            return sum(len(f.data) for f in self.source.frames)
+        return len(self.source.data)
+
+
+def content_hash(source: MediaSource, video_sampling: VideoSampling = VideoSampling()) -> str:
+    """Hex SHA-256 of an item's bytes and of every option that shapes its embedding.
+
+    It keys the engines' multimodal caches, so the same file sampled differently must hash
+    differently. A plain file with default options hashes to the SHA-256 of its bytes.
+    """
+    digest = hashlib.sha256()
+    if isinstance(source, MediaFile):
+        digest.update(source.data)
+    elif isinstance(source, VideoFrames):
+        digest.update(f"frames fps={source.fps!r}".encode())
+        for frame in source.frames:
+            digest.update(len(frame.data).to_bytes(8, "little") + frame.data)
+    else:
+        digest.update(f"pcm {source.encoding.value} {source.sample_rate_hz} {source.channels}".encode())
+        digest.update(source.data)
+    if video_sampling != VideoSampling():
+        digest.update(f"sampling fps={video_sampling.fps!r} max_frames={video_sampling.max_frames!r}".encode())
+    return digest.hexdigest()
 
 
 @dataclass(frozen=True)

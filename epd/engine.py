@@ -38,6 +38,8 @@ class EngineConfig:
     max_num_seqs: int = 16
     kv_cache_gib: int = 1  # CPU only: VLLM_CPU_KVCACHE_SPACE
     max_images_per_prompt: int = 8
+    max_videos_per_prompt: int = 2
+    max_audios_per_prompt: int = 4
     nixl_side_channel_host: str = "127.0.0.1"
     nixl_side_channel_port: int = 0  # KV producer/consumer only; 0 means "pick a free port"
     seed: int = 0
@@ -100,7 +102,7 @@ class Engine:
             max_num_seqs=self.config.max_num_seqs,
             enforce_eager=True,
             seed=self.config.seed,
-            limit_mm_per_prompt={"image": self.config.max_images_per_prompt},
+            limit_mm_per_prompt=self._mm_limits(),
             # Items arrive as precomputed embeddings (prefill, combined) or as grid-only
             # metadata (decode); both are "embedding" inputs to vLLM's processor.
             enable_mm_embeds=True,
@@ -108,6 +110,21 @@ class Engine:
             **kwargs,
         )
         self._llm = AsyncLLM.from_engine_args(args)
+
+    def _mm_limits(self) -> dict[str, int]:
+        """Per-prompt item limits for every modality the model has. Modalities EPD does not
+        serve for this family get 0, so vLLM neither accepts nor profiles them (an unset
+        modality would default to 999 items)."""
+        from epd.domain import Modality
+        from epd.models import load_family
+
+        family = load_family(self.config.model)
+        per_modality = {
+            Modality.IMAGE: self.config.max_images_per_prompt,
+            Modality.VIDEO: self.config.max_videos_per_prompt,
+            Modality.AUDIO: self.config.max_audios_per_prompt,
+        }
+        return {m.value: per_modality[m] if m in family.supported_modalities else 0 for m in family.model_modalities}
 
     def shutdown(self) -> None:
         if self._llm is not None:

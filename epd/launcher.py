@@ -163,7 +163,7 @@ def up_cli(args) -> int:
             print(f"[epd up] {service.name:<20} {service.address}", flush=True)
         if args.demo:
             return asyncio.run(_demo(gateway.address))
-        print(f"[epd up] ready: epd generate --gateway {gateway.address} --image cat.png 'Describe this'  (Ctrl-C stops)", flush=True)
+        print(f"[epd up] ready: epd generate --gateway {gateway.address} --media cat.png 'Describe this'  (Ctrl-C stops)", flush=True)
         while all(s.process.poll() is None for s in stack.services):
             time.sleep(1)
         return 1

@@ -18,12 +18,18 @@ from epd.domain import (
     InlineEmbedding,
     ItemMetadata,
     KvHandoff,
+    MediaFile,
     MediaInput,
     Modality,
+    PcmAudio,
+    PcmEncoding,
     Role,
     Sampling,
     TextPart,
     TokenRange,
+    VideoFrames,
+    VideoSampling,
+    content_hash,
 )
 from epd.errors import FieldViolation, InvalidArgument
 from epd.transport.nixl import NixlRegion
@@ -62,6 +68,8 @@ _ROLE_FROM_WIRE = {
     gateway_pb2.ROLE_ASSISTANT: Role.ASSISTANT,
 }
 _MEDIA_FIELDS = {"image": Modality.IMAGE, "video": Modality.VIDEO, "audio": Modality.AUDIO}
+_PCM_FROM_WIRE = {multimodal_pb2.PCM_ENCODING_S16LE: PcmEncoding.S16LE, multimodal_pb2.PCM_ENCODING_F32LE: PcmEncoding.F32LE}
+_PCM_TO_WIRE = {v: k for k, v in _PCM_FROM_WIRE.items()}
 
 
 # ---- sampling ---------------------------------------------------------------------------
@@ -138,13 +146,10 @@ def generate_request_from_wire(msg: gateway_pb2.GenerateRequest) -> GenerateRequ
                 has_content = has_content or bool(part.text.strip())
                 parts.append(TextPart(part.text))
             else:
-                media = getattr(part, kind)
-                if not media.data:
-                    violations.append(FieldViolation(f"{field}.{kind}.data", "is empty"))
-                if not media.mime_type:
-                    violations.append(FieldViolation(f"{field}.{kind}.mime_type", "is required"))
                 has_content = True
-                parts.append(MediaInput(_MEDIA_FIELDS[kind], media.data, media.mime_type.lower(), MediaInput.hash_bytes(media.data)))
+                item = _media_from_wire(kind, getattr(part, kind), field, violations)
+                if item is not None:
+                    parts.append(MediaInput.of(*item))
         messages.append(ChatMessage(_ROLE_FROM_WIRE.get(message.role, Role.USER), tuple(parts)))
     if msg.messages and not has_content:
         violations.append(FieldViolation("messages", "the prompt is empty: no text and no media"))
@@ -158,40 +163,109 @@ def generate_request_from_wire(msg: gateway_pb2.GenerateRequest) -> GenerateRequ
 
 
 def media_paths(request: GenerateRequest) -> list[str]:
-    """Public field paths of each media item, in prompt order (for remapping stage errors)."""
+    """Public field paths of each media item's content part, in prompt order (stage errors
+    name ``items[i].<field>``; the gateway rewrites ``items[i]`` into these)."""
     paths = []
     for mi, message in enumerate(request.messages):
         for pi, part in enumerate(message.parts):
             if isinstance(part, MediaInput):
-                paths.append(f"messages[{mi}].parts[{pi}].{part.modality.value}")
+                paths.append(f"messages[{mi}].parts[{pi}]")
     return paths
+
+
+def _file_from_wire(msg: multimodal_pb2.Media, field: str, violations: list[FieldViolation]) -> MediaFile:
+    if not msg.data:
+        violations.append(FieldViolation(f"{field}.data", "is empty"))
+    if not msg.mime_type:
+        violations.append(FieldViolation(f"{field}.mime_type", "is required"))
+    return MediaFile(msg.data, msg.mime_type.lower())
+
+
+def _media_from_wire(kind: str, msg, field: str, violations: list[FieldViolation]):
+    """Parses one image/video/audio message; returns (modality, source, video_sampling), or
+    None when it has no source at all."""
+    modality = _MEDIA_FIELDS[kind]
+    field = f"{field}.{kind}"
+    if modality is Modality.IMAGE:
+        return modality, _file_from_wire(msg, field, violations), VideoSampling()
+    source_kind = msg.WhichOneof("source")
+    if source_kind is None:
+        violations.append(FieldViolation(f"{field}.source", "is required: set file or " + ("frames" if modality is Modality.VIDEO else "pcm")))
+        return None
+    source_field = f"{field}.{source_kind}"
+    sampling = VideoSampling()
+    if source_kind == "file":
+        source = _file_from_wire(msg.file, source_field, violations)
+    elif source_kind == "frames":
+        if not msg.frames.frames:
+            violations.append(FieldViolation(f"{source_field}.frames", "must contain at least one frame"))
+        if not msg.frames.fps > 0:
+            violations.append(FieldViolation(f"{source_field}.fps", "must be positive"))
+        frames = tuple(_file_from_wire(f, f"{source_field}.frames[{k}]", violations) for k, f in enumerate(msg.frames.frames))
+        source = VideoFrames(frames, msg.frames.fps)
+    else:
+        pcm = msg.pcm
+        if not pcm.data:
+            violations.append(FieldViolation(f"{source_field}.data", "is empty"))
+        if pcm.sample_rate_hz == 0:
+            violations.append(FieldViolation(f"{source_field}.sample_rate_hz", "is required"))
+        if pcm.channels == 0:
+            violations.append(FieldViolation(f"{source_field}.channels", "is required"))
+        if pcm.encoding not in _PCM_FROM_WIRE:
+            violations.append(FieldViolation(f"{source_field}.encoding", "must be PCM_ENCODING_S16LE or PCM_ENCODING_F32LE"))
+        source = PcmAudio(pcm.data, pcm.sample_rate_hz, pcm.channels, _PCM_FROM_WIRE.get(pcm.encoding, PcmEncoding.S16LE))
+    if modality is Modality.VIDEO:
+        if msg.sampling.fps < 0:
+            violations.append(FieldViolation(f"{field}.sampling.fps", "must not be negative"))
+        sampling = VideoSampling(msg.sampling.fps or None, msg.sampling.max_frames or None)
+    return modality, source, sampling
+
+
+def _file_to_wire(source: MediaFile) -> multimodal_pb2.Media:
+    return multimodal_pb2.Media(data=source.data, mime_type=source.mime_type)
+
+
+def media_to_wire(item: MediaInput) -> multimodal_pb2.Media | multimodal_pb2.Video | multimodal_pb2.Audio:
+    """The image, video or audio message of an item (the same types in the public API and
+    the encoder's)."""
+    source = item.source
+    if item.modality is Modality.IMAGE:
+        return _file_to_wire(source)
+    if item.modality is Modality.VIDEO:
+        sampling = multimodal_pb2.VideoSampling(fps=item.video_sampling.fps or 0, max_frames=item.video_sampling.max_frames or 0)
+        if isinstance(source, VideoFrames):
+            frames = multimodal_pb2.VideoFrames(frames=[_file_to_wire(f) for f in source.frames], fps=source.fps)
+            return multimodal_pb2.Video(frames=frames, sampling=sampling)
+        return multimodal_pb2.Video(file=_file_to_wire(source), sampling=sampling)
+    if isinstance(source, PcmAudio):
+        pcm = multimodal_pb2.PcmAudio(data=source.data, sample_rate_hz=source.sample_rate_hz, channels=source.channels, encoding=_PCM_TO_WIRE[source.encoding])
+        return multimodal_pb2.Audio(pcm=pcm)
+    return multimodal_pb2.Audio(file=_file_to_wire(source))
 
 
 # ---- encoder ----------------------------------------------------------------------------
 
 
 def media_items_to_wire(items: list[MediaInput]) -> list[encoder_pb2.MediaItem]:
-    return [
-        encoder_pb2.MediaItem(modality=_MODALITY_TO_WIRE[i.modality], data=i.data, mime_type=i.mime_type, content_hash=i.content_hash)
-        for i in items
-    ]
+    return [encoder_pb2.MediaItem(content_hash=i.content_hash, **{i.modality.value: media_to_wire(i)}) for i in items]
 
 
 def media_items_from_wire(items) -> list[MediaInput]:
-    violations = []
+    violations: list[FieldViolation] = []
     result = []
     for index, item in enumerate(items):
-        if item.modality not in _MODALITY_FROM_WIRE:
-            violations.append(FieldViolation(f"items[{index}].modality", "must be set"))
+        kind = item.WhichOneof("media")
+        if kind is None:
+            violations.append(FieldViolation(f"items[{index}].media", "must be set: image, video or audio"))
             continue
-        if not item.data:
-            violations.append(FieldViolation(f"items[{index}].data", "is empty"))
-        content_hash = item.content_hash or MediaInput.hash_bytes(item.data)
-        result.append(MediaInput(_MODALITY_FROM_WIRE[item.modality], item.data, item.mime_type.lower(), content_hash))
+        parsed = _media_from_wire(kind, getattr(item, kind), f"items[{index}]", violations)
+        if parsed is not None:
+            modality, source, sampling = parsed
+            result.append(MediaInput(modality, source, item.content_hash or content_hash(source, sampling), sampling))
     if not items:
         violations.append(FieldViolation("items", "must contain at least one item"))
     if violations:
-        raise InvalidArgument("invalid EncodeRequest", violations)
+        raise InvalidArgument("invalid EncodeRequest: " + "; ".join(f"{v.field} {v.description}" for v in violations), violations)
     return result
 
 

@@ -24,7 +24,8 @@ import grpc
 from epd import telemetry, wire
 from epd.domain import EncodedItem, EngineRequest, FinishReason, GenerateRequest, TokenRange
 from epd.errors import DeadlineExceeded, EpdError, FieldViolation, InvalidArgument, Unavailable, Unimplemented, from_rpc_error
-from epd.media import mime_problem
+from epd.media import MediaLimits, check_sizes_and_types
+from epd.media.decode import MediaDecoder, vllm_input
 from epd.models import ModelFamily
 from epd.transport.nixl import NixlRegion
 from epd.v1 import encoder_pb2
@@ -105,17 +106,21 @@ class _Clock:
         return self.timings
 
 
-def validate_media(request: GenerateRequest, family: ModelFamily) -> None:
-    """Rejects media the model or this build cannot take, before any stage does work."""
+def validate_media(request: GenerateRequest, family: ModelFamily, limits: MediaLimits) -> None:
+    """Rejects media the model cannot take, or that breaks a size or type rule, before any
+    stage does work. Modalities the model has but EPD does not serve for it are UNIMPLEMENTED."""
     violations = []
-    for path, item in zip(wire.media_paths(request), request.media, strict=True):
-        if item.modality not in family.supported_modalities:
-            raise Unimplemented(f"{path}: {item.modality.value} input is not implemented yet for {family.model_type}")
-        problem = mime_problem(item.modality, item.mime_type)
-        if problem:
-            violations.append(FieldViolation(f"{path}.mime_type", problem))
+    paths = wire.media_paths(request)
+    for path, item in zip(paths, request.media, strict=True):
+        if item.modality in family.supported_modalities:
+            continue
+        if item.modality in family.model_modalities:
+            raise Unimplemented(f"{path}.{item.modality.value}: {item.modality.value} input is not implemented yet for {family.model_type}")
+        violations.append(FieldViolation(f"{path}.{item.modality.value}", f"{family.model_type} does not take {item.modality.value} input"))
+    for index, problem in check_sizes_and_types(request.media, limits):
+        violations.append(FieldViolation(f"{paths[index]}.{problem.field}" if index >= 0 else "messages", str(problem)))
     if violations:
-        raise InvalidArgument("unsupported media: " + "; ".join(f"{v.field} {v.description}" for v in violations), violations)
+        raise InvalidArgument("invalid media: " + "; ".join(f"{v.field} {v.description}" for v in violations), violations)
 
 
 def _remaining(deadline: float | None) -> float | None:
@@ -131,10 +136,20 @@ def _remaining(deadline: float | None) -> float | None:
 class DisaggregatedPipeline:
     """E/P/D and E+PD: media goes to the encoders only; later stages get metadata."""
 
-    def __init__(self, mode: Mode, family: ModelFamily, renderer: PromptRenderer, encoders: StagePool, prefills: StagePool | None, decodes: StagePool):
+    def __init__(
+        self,
+        mode: Mode,
+        family: ModelFamily,
+        renderer: PromptRenderer,
+        limits: MediaLimits,
+        encoders: StagePool,
+        prefills: StagePool | None,
+        decodes: StagePool,
+    ):
         self.mode = mode
         self.family = family
         self.renderer = renderer
+        self.limits = limits
         self.encoders = encoders
         self.prefills = prefills
         self.decodes = decodes
@@ -146,7 +161,7 @@ class DisaggregatedPipeline:
 
     async def generate(self, request: GenerateRequest, deadline: float | None) -> AsyncIterator[Event]:
         clock = _Clock()
-        validate_media(request, self.family)
+        validate_media(request, self.family, self.limits)
         prompt_ids = self.renderer.render(request.messages)
         leases: dict[str, list[str]] = {}
         completed = False
@@ -231,7 +246,7 @@ class DisaggregatedPipeline:
                         usage = Usage(
                             prompt_tokens=response.prompt_token_count,
                             completion_tokens=completion_tokens,
-                            multimodal_tokens=sum(i.metadata.placeholder_count for i in request.items),
+                            multimodal_tokens=sum(i.metadata.placeholder_range.length for i in request.items),
                         )
                         yield Finished(wire.finish_reason_from_wire(response.finish_reason), usage, clock.finish())
                         return
@@ -250,33 +265,31 @@ class DisaggregatedPipeline:
 
 
 class MonolithicPipeline:
-    """One in-process vLLM engine, given the raw media: the oracle and the baseline."""
+    """One in-process vLLM engine, given the raw media: the oracle and the baseline. It decodes
+    with the encoder's own decoder, so both paths start from the same frames and samples."""
 
-    def __init__(self, family: ModelFamily, renderer: PromptRenderer, engine):
+    def __init__(self, family: ModelFamily, renderer: PromptRenderer, limits: MediaLimits, decoder: MediaDecoder, engine):
         self.family = family
         self.renderer = renderer
+        self.limits = limits
+        self.decoder = decoder
         self.engine = engine
 
     async def close(self) -> None:
         self.engine.shutdown()
 
     async def generate(self, request: GenerateRequest, deadline: float | None) -> AsyncIterator[Event]:
-        from epd.media import decode_image
-
         clock = _Clock()
-        validate_media(request, self.family)
-        prompt: dict = {"prompt_token_ids": self.renderer.render(request.messages)}
-        images = []
-        violations = []
-        for path, item in zip(wire.media_paths(request), request.media, strict=True):
-            try:
-                images.append(decode_image(item.data))
-            except ValueError as exc:
-                violations.append(FieldViolation(f"{path}.data", str(exc)))
-        if violations:
-            raise InvalidArgument("undecodable media", violations)
-        if images:
-            prompt["multi_modal_data"] = {"image": images}
+        validate_media(request, self.family, self.limits)
+        prompt_ids = self.renderer.render(request.messages)
+        prompt: dict = {"prompt_token_ids": prompt_ids}
+        media = request.media
+        decoded = await asyncio.to_thread(self.decoder.decode_all, media, wire.media_paths(request))
+        if media:
+            prompt["multi_modal_data"] = defaultdict(list)
+            for item, value in zip(media, decoded, strict=True):
+                prompt["multi_modal_data"][item.modality.value].append(vllm_input(item.modality, value))
+            prompt["multi_modal_data"] = dict(prompt["multi_modal_data"])
         completion_tokens = 0
         async for step in self.engine.generate(request.request_id, prompt, request.sampling):
             if step.token_ids:
@@ -284,15 +297,15 @@ class MonolithicPipeline:
                 completion_tokens += len(step.token_ids)
                 yield Delta(step.token_ids, step.text)
             if step.finish_reason is not None:
-                multimodal = _count_placeholders(self.family, step.prompt_token_count, prompt["prompt_token_ids"])
+                multimodal = _media_token_count(self.family, step.prompt_token_count, prompt_ids)
                 timings = clock.finish()
                 timings.decode = timings.total
                 yield Finished(step.finish_reason, Usage(step.prompt_token_count, completion_tokens, multimodal), timings)
 
 
-def _count_placeholders(family: ModelFamily, expanded_len: int, prompt_ids: list[int]) -> int:
-    """Placeholder tokens added by expansion, plus the placeholders themselves."""
-    placeholders = sum(1 for t in prompt_ids if t in (family.image_token_id, family.video_token_id))
+def _media_token_count(family: ModelFamily, expanded_len: int, prompt_ids: list[int]) -> int:
+    """Tokens the items occupy after expansion: what expansion added, plus the placeholders."""
+    placeholders = sum(1 for t in prompt_ids if t in family.placeholder_token_ids)
     return expanded_len - len(prompt_ids) + placeholders
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+from epd.media import MediaLimits
+from epd.media.decode import MediaDecoder
 from epd.models import load_family
 from epd.server import GrpcHost, ServerConfig
 from epd.v1 import decode_pb2_grpc, encoder_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2_grpc
@@ -21,6 +23,7 @@ class GatewayConfig:
     encoders: tuple[str, ...] = ()
     prefills: tuple[str, ...] = ()
     decodes: tuple[str, ...] = ()
+    limits: MediaLimits = MediaLimits()
 
 
 async def _build_pipeline(config: GatewayConfig, engine_config):
@@ -31,11 +34,12 @@ async def _build_pipeline(config: GatewayConfig, engine_config):
 
         engine = Engine(engine_config)
         await asyncio.to_thread(engine.start)  # health answers NOT_SERVING meanwhile
-        return MonolithicPipeline(family, renderer, engine)
+        return MonolithicPipeline(family, renderer, config.limits, MediaDecoder.for_model(config.model, config.limits), engine)
     return DisaggregatedPipeline(
         config.mode,
         family,
         renderer,
+        config.limits,
         encoders=StagePool("encoder", list(config.encoders), encoder_pb2_grpc.EncoderServiceStub),
         prefills=StagePool("prefill", list(config.prefills), prefill_pb2_grpc.PrefillServiceStub) if config.mode is Mode.EPD else None,
         decodes=StagePool("decode", list(config.decodes), decode_pb2_grpc.DecodeServiceStub),

@@ -9,7 +9,7 @@ from grpc_status import rpc_status
 
 from epd.client import chat_request, generate
 from epd.testing import synthetic_image_png
-from epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc, engine_pb2, gateway_pb2, prefill_pb2, prefill_pb2_grpc
+from epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc, engine_pb2, gateway_pb2, multimodal_pb2, prefill_pb2, prefill_pb2_grpc
 from tests.helpers import wait_for_metric
 
 PNG = synthetic_image_png(120, 90, seed=5)
@@ -51,7 +51,7 @@ async def test_bad_request_gets_invalid_argument_with_field(family_stack, mode, 
 async def test_embedding_rows_not_matching_metadata_fail_only_that_request(family_stack):
     async with grpc.aio.insecure_channel(family_stack.encoder.address) as enc_channel, grpc.aio.insecure_channel(family_stack.prefill.address) as pre_channel:
         encoded = await encoder_pb2_grpc.EncoderServiceStub(enc_channel).Encode(
-            encoder_pb2.EncodeRequest(request_id="rows", items=[encoder_pb2.MediaItem(modality=1, data=PNG, mime_type="image/png")])
+            encoder_pb2.EncodeRequest(request_id="rows", items=[encoder_pb2.MediaItem(image=multimodal_pb2.Media(data=PNG, mime_type="image/png"))])
         )
         (item,) = encoded.items
         # Consistent metadata for a taller image than the one encoded: only the bytes disagree.

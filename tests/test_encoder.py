@@ -19,7 +19,7 @@ SLOTS = 4
 
 def _encode_request(seed: int) -> encoder_pb2.EncodeRequest:
     png = synthetic_image_png(112, 112, seed=seed)  # 8x8 patches -> 16 rows x 128 floats = 8 KiB: one slot
-    return encoder_pb2.EncodeRequest(request_id=f"r{seed}", items=[encoder_pb2.MediaItem(modality=multimodal_pb2.MODALITY_IMAGE, data=png, mime_type="image/png")])
+    return encoder_pb2.EncodeRequest(request_id=f"r{seed}", items=[encoder_pb2.MediaItem(image=multimodal_pb2.Media(data=png, mime_type="image/png"))])
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
-"""Placeholders rebuilt from metadata equal the HF processor's own expansion, and the encoder
-reads only the vision tower's shards."""
+"""Placeholders rebuilt from metadata equal the HF processor's own expansion (images for both
+vision families, videos with their timestamps for Qwen3-VL), and the encoder reads only the
+vision tower's shards. Audio has the same checks in test_audio_family."""
 
 from __future__ import annotations
 
@@ -10,20 +11,27 @@ import pytest
 import torch
 
 from epd.checkpoints import FAMILIES
-from epd.domain import ChatMessage, ItemMetadata, MediaInput, Modality, Role, TextPart
-from epd.media import decode_image
+from epd.domain import ChatMessage, ItemMetadata, MediaFile, MediaInput, Modality, Role, TextPart, VideoSampling
+from epd.errors import InvalidArgument
+from epd.media import MediaLimits
+from epd.media.decode import MediaDecoder
+from epd.media.image import decode_image as _decode_image
 from epd.models.qwen_vl import VisionEncoder
-from epd.testing import synthetic_image_png
+from epd.testing import synthetic_image_png, synthetic_video
 from gateway.prompt import PromptRenderer
 from tests.conftest import checkpoint
 
 SIZES = [(160, 120, 1), (224, 112, 2), (56, 300, 3)]
 
 
-def _messages(count: int) -> tuple[ChatMessage, ...]:
+def decode_image(data: bytes):
+    return _decode_image(data, max_pixels=MediaLimits().max_image_pixels)
+
+
+def _messages(modalities: list[Modality]) -> tuple[ChatMessage, ...]:
     parts: list = [TextPart("First:")]
-    for i in range(count):
-        parts += [MediaInput(Modality.IMAGE, b"-", "image/png", f"h{i}"), TextPart(f"and {i}")]
+    for i, modality in enumerate(modalities):
+        parts += [MediaInput(modality, MediaFile(b"-", "x/unused"), f"h{i}"), TextPart(f"and {i}")]
     return (ChatMessage(Role.USER, tuple(parts)),)
 
 
@@ -35,7 +43,7 @@ def test_placeholders_rebuilt_from_metadata_equal_processor_expansion(family):
     encoder = VisionEncoder(model)
     renderer = PromptRenderer(str(model))
     images = [decode_image(synthetic_image_png(w, h, seed=s)) for w, h, s in SIZES]
-    messages = _messages(len(images))
+    messages = _messages([Modality.IMAGE] * len(images))
 
     encoded = encoder.encode_images(images)
     metadata = [
@@ -53,6 +61,68 @@ def test_placeholders_rebuilt_from_metadata_equal_processor_expansion(family):
     from_ranges = [r.offset + k for r in rebuilt.ranges for k in range(r.length)]
     assert from_ranges == image_positions
     assert [r.length for r in rebuilt.ranges] == [e.shape[0] for _, e in encoded]
+
+
+# (frames, fps, requested sampling): short (3 sampled, odd: padded); longer than max_frames;
+# 7 frames at 2 fps (all kept); sampled at a requested 4 fps.
+CLIPS = [(12, 8.0, VideoSampling()), (80, 10.0, VideoSampling()), (7, 2.0, VideoSampling()), (30, 10.0, VideoSampling(fps=4.0, max_frames=6))]
+
+
+def _video_layout():
+    model = checkpoint("qwen3_vl")
+    encoder = VisionEncoder(model)
+    decoder = MediaDecoder.for_model(model, MediaLimits())
+    items = [MediaInput.of(Modality.VIDEO, MediaFile(synthetic_video(64 + 16 * i, 48, n, fps=fps, seed=i), "video/mp4"), sampling) for i, (n, fps, sampling) in enumerate(CLIPS)]
+    videos = [decoder.decode(item) for item in items]
+    encodings = encoder.encode(Modality.VIDEO, videos)
+    metadata = [encoder.family.item_metadata(Modality.VIDEO, item.content_hash, e) for item, e in zip(items, encodings, strict=True)]
+    renderer = PromptRenderer(str(model))
+    return model, encoder, renderer, videos, encodings, metadata
+
+
+def test_video_layout_rebuilt_from_metadata_equals_processor_expansion():
+    from transformers import AutoProcessor
+    from transformers.video_utils import VideoMetadata
+
+    model, encoder, renderer, videos, encodings, metadata = _video_layout()
+    family = encoder.family
+    prompt = renderer.render(_messages([Modality.VIDEO] * len(videos)))
+    rebuilt = family.expand_prompt(prompt, metadata)
+
+    processor = AutoProcessor.from_pretrained(model)
+    expected = processor(
+        text=[renderer.tokenizer.decode(prompt)],
+        videos=[v.frames for v in videos],
+        video_metadata=[VideoMetadata(v.total_frames, fps=v.source_fps, frames_indices=list(v.frame_indices)) for v in videos],
+        do_sample_frames=False,
+        return_tensors="pt",
+    )["input_ids"][0].tolist()
+
+    assert rebuilt.token_ids == expected
+    # Sampling mattered: the long clip was cut to the model's max_frames, the fps request obeyed.
+    assert [len(v.frame_indices) for v in videos] == [3, 8, 7, 6]
+    assert [e.grid_thw.t for e in encodings] == [2, 4, 4, 3]
+    assert [len(m.video_timestamps_s) for m in metadata] == [2, 4, 4, 3]
+    pads = [i for i, t in enumerate(expected) if t == family.video_token_id]
+    assert sum(m.placeholder_count for m in metadata) == len(pads) == sum(e.embedding.shape[0] for e in encodings)
+    for r in rebuilt.ranges:  # each run starts with its first timestamp's text and ends a group
+        assert expected[r.offset + r.length - 1] == family.vision_end_token_id
+
+
+def test_timestamps_shape_the_rebuilt_prompt():
+    """Perturbed timestamps change the prompt (they are used, not decoration); missing ones are
+    refused with the field named."""
+    import dataclasses
+
+    model, encoder, renderer, videos, encodings, metadata = _video_layout()
+    family = encoder.family
+    prompt = renderer.render(_messages([Modality.VIDEO]))
+    intact = family.expand_prompt(prompt, metadata[1:2]).token_ids
+    shifted = dataclasses.replace(metadata[1], video_timestamps_s=tuple(t + 10 for t in metadata[1].video_timestamps_s))
+    assert family.expand_prompt(prompt, [shifted]).token_ids != intact
+    with pytest.raises(InvalidArgument) as info:
+        family.expand_prompt(prompt, [dataclasses.replace(metadata[1], video_timestamps_s=())])
+    assert [v.field for v in info.value.violations] == ["items[0].metadata.video_timestamps_s"]
 
 
 def test_encoder_reads_only_the_vision_shards(tmp_path):

@@ -10,7 +10,7 @@ from epd import wire
 from epd.domain import GridThw, ItemMetadata, Modality, TokenRange
 from epd.errors import InvalidArgument, ResourceExhausted, to_rpc_status
 from epd.models.qwen_vl import QwenVLFamily
-from epd.v1 import common_pb2, gateway_pb2
+from epd.v1 import common_pb2, gateway_pb2, multimodal_pb2
 
 
 def _request(parts, max_tokens=8):
@@ -32,7 +32,7 @@ def test_empty_prompt_and_zero_max_tokens_are_reported_together():
 
 def test_media_without_bytes_or_mime_names_the_part():
     with pytest.raises(InvalidArgument) as info:
-        wire.generate_request_from_wire(_request([gateway_pb2.ContentPart(text="hi"), gateway_pb2.ContentPart(image=gateway_pb2.Media())]))
+        wire.generate_request_from_wire(_request([gateway_pb2.ContentPart(text="hi"), gateway_pb2.ContentPart(image=multimodal_pb2.Media())]))
     assert _fields(info.value) == ["messages[0].parts[1].image.data", "messages[0].parts[1].image.mime_type"]
 
 
@@ -55,7 +55,10 @@ def test_rich_status_details():
 
 
 def test_layout_validation_names_inconsistent_fields():
-    family = QwenVLFamily("qwen2_5_vl", image_token_id=9, video_token_id=10, spatial_merge_size=2, embedding_width=16)
+    family = QwenVLFamily(
+        "qwen2_5_vl", "unused", image_token_id=9, video_token_id=10, vision_start_token_id=7, vision_end_token_id=8,
+        spatial_merge_size=2, embedding_width=16, supported_modalities=frozenset({Modality.IMAGE}),
+    )
     good = ItemMetadata(Modality.IMAGE, "h", 9, 6, (6, 16), "float32", GridThw(1, 4, 6))
     assert family.expand_prompt([1, 9, 2], [good]).token_ids == [1] + [9] * 6 + [2]
     bad = ItemMetadata(Modality.IMAGE, "h", 9, 5, (5, 16), "float32", GridThw(1, 4, 6))

@@ -1,9 +1,11 @@
-"""The encoder's domain logic: decode media, batch items across requests through the vision
-tower, and publish each embedding in the NIXL arena (or inline, when configured)."""
+"""The encoder's domain logic: decode media, batch items of one modality across requests
+through the tower (vision or audio), and publish each embedding in the NIXL arena (or inline,
+when configured)."""
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import logging
@@ -11,10 +13,11 @@ import time
 import uuid
 
 from epd import telemetry
-from epd.domain import EncodedItem, InlineEmbedding, ItemMetadata, MediaInput, Modality
-from epd.errors import FieldViolation, InvalidArgument, ResourceExhausted, Unimplemented
-from epd.media import decode_image, mime_problem
-from epd.models.qwen_vl import VisionEncoder
+from epd.domain import EncodedItem, InlineEmbedding, MediaInput, Modality
+from epd.errors import FieldViolation, InvalidArgument, ResourceExhausted
+from epd.media import MediaLimits
+from epd.media.decode import MediaDecoder
+from epd.models import Encoding, load_tower
 
 logger = logging.getLogger(__name__)
 
@@ -31,21 +34,24 @@ class EncoderConfig:
     batch_wait_s: float = 0.005  # how long the first item of a batch waits for company
     agent_name: str = ""  # default: a unique name per process
     nixl_listen_host: str = "127.0.0.1"
+    limits: MediaLimits = MediaLimits()
 
 
 @dataclasses.dataclass
 class _Pending:
-    image: object
+    decoded: object
     future: asyncio.Future
+    queued_at: float = dataclasses.field(default_factory=time.monotonic)
 
 
 class EncoderRunner:
-    """Owns the vision tower, the batcher and the arena."""
+    """Owns the tower, the batcher and the arena."""
 
     def __init__(self, config: EncoderConfig):
         self.config = config
-        self.vision = VisionEncoder(config.model, dtype=config.dtype)
-        self.family = self.vision.family
+        self.tower = load_tower(config.model, dtype=config.dtype)
+        self.family = self.tower.family
+        self.decoder = MediaDecoder.for_model(config.model, config.limits)
         self.arena = None
         if config.transport == "nixl":
             from epd.transport.nixl import EmbeddingArena
@@ -59,12 +65,14 @@ class EncoderRunner:
             )
         elif config.transport != "inline":
             raise ValueError(f"unknown embedding transport {config.transport!r}")
-        self._queue: asyncio.Queue[_Pending] = asyncio.Queue()
+        # One FIFO per modality: a batch holds one modality, so one tower call serves it.
+        self._queues: dict[Modality, collections.deque[_Pending]] = {m: collections.deque() for m in Modality}
+        self._arrived = asyncio.Event()
         self._tasks: list[asyncio.Task] = []
 
     @property
     def load_report(self):
-        return self.vision.load_report
+        return self.tower.load_report
 
     def start(self) -> None:
         """Starts the batching loop and the lease reaper on the running event loop."""
@@ -82,15 +90,19 @@ class EncoderRunner:
             self.arena.close()
 
     async def encode(self, items: list[MediaInput]) -> list[EncodedItem]:
-        """Encodes one request's items. All are validated before any reaches the tower, so a
-        bad item fails only its own request, and nothing is leased for a failed request."""
-        images = self._decode_all(items)
+        """Encodes one request's items. All are validated and decoded before any reaches the
+        tower, so a bad item fails only its own request, and nothing is leased for a failed
+        request."""
+        self._check_modalities(items)
+        # Off the event loop: a video decode takes long enough to stall other calls.
+        decoded = await asyncio.to_thread(self.decoder.decode_all, items, [f"items[{i}]" for i in range(len(items))])
         loop = asyncio.get_running_loop()
-        pending = [_Pending(image, loop.create_future()) for image in images]
-        for p in pending:
-            self._queue.put_nowait(p)
-        results = await asyncio.gather(*(p.future for p in pending))
-        return self._publish_all(items, results)
+        pending = [_Pending(d, loop.create_future()) for d in decoded]
+        for item, p in zip(items, pending, strict=True):
+            self._queues[item.modality].append(p)
+        self._arrived.set()
+        encodings = await asyncio.gather(*(p.future for p in pending))
+        return self._publish_all(items, encodings)
 
     def release(self, lease_ids: list[str]) -> int:
         if self.arena is None:
@@ -103,38 +115,21 @@ class EncoderRunner:
 
     # ---- internals ----------------------------------------------------------------------
 
-    def _decode_all(self, items: list[MediaInput]) -> list:
-        violations = []
-        images = []
-        for index, item in enumerate(items):
-            if item.modality is not Modality.IMAGE:
-                raise Unimplemented(f"items[{index}]: {item.modality.value} encoding is not implemented yet")
-            problem = mime_problem(item.modality, item.mime_type)
-            if problem:
-                violations.append(FieldViolation(f"items[{index}].mime_type", problem))
-                continue
-            try:
-                images.append(decode_image(item.data))
-            except ValueError as exc:
-                violations.append(FieldViolation(f"items[{index}].data", str(exc)))
+    def _check_modalities(self, items: list[MediaInput]) -> None:
+        violations = [
+            FieldViolation(f"items[{i}].{item.modality.value}", f"{item.modality.value} input is not supported by {self.family.model_type}")
+            for i, item in enumerate(items)
+            if item.modality not in self.family.supported_modalities
+        ]
         if violations:
-            raise InvalidArgument("undecodable media: " + "; ".join(f"{v.field} {v.description}" for v in violations), violations)
-        return images
+            raise InvalidArgument("; ".join(f"{v.field}: {v.description}" for v in violations), violations)
 
-    def _publish_all(self, items: list[MediaInput], results) -> list[EncodedItem]:
+    def _publish_all(self, items: list[MediaInput], encodings: list[Encoding]) -> list[EncodedItem]:
         encoded: list[EncodedItem] = []
         try:
-            for item, (grid, embedding) in zip(items, results, strict=True):
-                metadata = ItemMetadata(
-                    modality=item.modality,
-                    content_hash=item.content_hash,
-                    placeholder_token_id=self.family.placeholder_token_id(item.modality),
-                    placeholder_count=self.family.placeholder_count(grid),
-                    embedding_shape=tuple(embedding.shape),
-                    embedding_dtype=str(embedding.dtype).removeprefix("torch."),
-                    grid_thw=grid,
-                )
-                encoded.append(EncodedItem(metadata, self._publish(embedding)))
+            for item, encoding in zip(items, encodings, strict=True):
+                metadata = self.family.item_metadata(item.modality, item.content_hash, encoding)
+                encoded.append(EncodedItem(metadata, self._publish(encoding.embedding)))
         except BaseException:
             self.release([e.embedding.lease_id for e in encoded if not isinstance(e.embedding, InlineEmbedding)])
             raise
@@ -153,35 +148,42 @@ class EncoderRunner:
         except ValueError as exc:
             raise ResourceExhausted(f"embedding of {embedding.nbytes} bytes can never fit the arena: {exc}", retry_after_s=0) from exc
 
+    def _next_batch(self) -> tuple[Modality, list[_Pending]] | None:
+        """Up to ``max_batch_items`` of the modality whose oldest item has waited longest."""
+        waiting = [m for m, queue in self._queues.items() if queue]
+        if not waiting:
+            return None
+        modality = min(waiting, key=lambda m: self._queues[m][0].queued_at)
+        queue = self._queues[modality]
+        batch = [queue.popleft() for _ in range(min(len(queue), self.config.max_batch_items))]
+        return modality, [p for p in batch if not p.future.done()]  # callers that gave up are dropped
+
     async def _batch_loop(self) -> None:
         while True:
-            batch = [await self._queue.get()]
-            deadline = time.monotonic() + self.config.batch_wait_s
-            while len(batch) < self.config.max_batch_items:
-                timeout = deadline - time.monotonic()
-                if timeout <= 0:
-                    break
-                try:
-                    batch.append(await asyncio.wait_for(self._queue.get(), timeout))
-                except TimeoutError:
-                    break
-            batch = [p for p in batch if not p.future.done()]  # caller gave up meanwhile
-            if not batch:
-                continue
-            telemetry.ENCODER_BATCH_ITEMS.observe(len(batch))
-            started = time.perf_counter()
-            try:
-                outputs = await asyncio.to_thread(self.vision.encode_images, [p.image for p in batch])
-            except Exception as exc:  # noqa: BLE001 - a failed forward fails its batch, not the loop
-                logger.exception("vision tower failed on a batch of %d", len(batch))
-                for p in batch:
-                    if not p.future.done():
-                        p.future.set_exception(exc)
-                continue
-            telemetry.STAGE_SECONDS.labels(stage="encoder_forward").observe(time.perf_counter() - started)
-            for p, output in zip(batch, outputs, strict=True):
+            await self._arrived.wait()
+            # The first item waits a moment for company from concurrent requests.
+            await asyncio.sleep(self.config.batch_wait_s)
+            while (next_batch := self._next_batch()) is not None:
+                modality, batch = next_batch
+                if batch:
+                    await self._run_batch(modality, batch)
+            self._arrived.clear()
+
+    async def _run_batch(self, modality: Modality, batch: list[_Pending]) -> None:
+        telemetry.ENCODER_BATCH_ITEMS.observe(len(batch))
+        started = time.perf_counter()
+        try:
+            outputs = await asyncio.to_thread(self.tower.encode, modality, [p.decoded for p in batch])
+        except Exception as exc:  # noqa: BLE001 - a failed forward fails its batch, not the loop
+            logger.exception("%s tower failed on a batch of %d", modality.value, len(batch))
+            for p in batch:
                 if not p.future.done():
-                    p.future.set_result(output)
+                    p.future.set_exception(exc)
+            return
+        telemetry.STAGE_SECONDS.labels(stage="encoder_forward").observe(time.perf_counter() - started)
+        for p, output in zip(batch, outputs, strict=True):
+            if not p.future.done():
+                p.future.set_result(output)
 
     async def _reap_loop(self) -> None:
         while True:
