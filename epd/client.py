@@ -24,9 +24,12 @@ class GenerateResult:
 
 def content_part(part) -> gateway_pb2.ContentPart:
     """A content part from str (text), (bytes, mime) (a media file, its modality taken from the
-    MIME type), or a ``Video`` or ``Audio`` message (frames, PCM, sampling options)."""
+    MIME type), a ``Media`` message (an image part, whatever its MIME type), or a ``Video`` or
+    ``Audio`` message (frames, PCM, sampling options)."""
     if isinstance(part, str):
         return gateway_pb2.ContentPart(text=part)
+    if isinstance(part, multimodal_pb2.Media):
+        return gateway_pb2.ContentPart(image=part)
     if isinstance(part, multimodal_pb2.Video):
         return gateway_pb2.ContentPart(video=part)
     if isinstance(part, multimodal_pb2.Audio):

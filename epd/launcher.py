@@ -138,8 +138,8 @@ def start_disaggregated(stack: Stack, model: str, mode: str, *, encoders: int = 
     return gateway
 
 
-def start_monolithic(stack: Stack, model: str) -> ServiceProcess:
-    gateway = stack.start("gateway-monolithic", ["gateway", "--model", model, "--mode", "monolithic"])
+def start_monolithic(stack: Stack, model: str, *, extra=()) -> ServiceProcess:
+    gateway = stack.start("gateway-monolithic", ["gateway", "--model", model, "--mode", "monolithic", *extra])
     stack.wait_ready([gateway])
     return gateway
 

@@ -55,21 +55,28 @@ def _start_family(family: str, log_dir: pathlib.Path, otlp_endpoint: str) -> Fam
         raise
 
 
+# Low enough that a test clip can exceed it cheaply; every decoding service gets the same.
+MAX_VIDEO_FRAMES = 120
+MEDIA_LIMITS = ["--max-video-frames", str(MAX_VIDEO_FRAMES)]
+
+
 def _start_services(family: str, model: str, stack: Stack, otlp_endpoint: str) -> FamilyStack:
     observability = ["--metrics-port", "0", "--otlp-endpoint", otlp_endpoint]
-    encoder = stack.start("encoder", ["encoder", "--model", model, *observability])
+    encoder = stack.start("encoder", ["encoder", "--model", model, *MEDIA_LIMITS, *observability])
     prefill = stack.start("prefill", ["prefill", "--model", model, *observability])
     decode = stack.start("decode", ["decode", "--model", model, "--mode", "decode", *observability])
     # The combined instance also accepts inline embeddings (test_data_path covers both transports).
     combined = stack.start("combined", ["decode", "--model", model, "--mode", "combined", "--allow-inline-embeddings", *observability])
-    monolithic = start_monolithic(stack, model)
+    monolithic = start_monolithic(stack, model, extra=MEDIA_LIMITS)
     stack.wait_ready([encoder, prefill, decode, combined], timeout=600)
     gateways = {"monolithic": monolithic}
     gateways["epd"] = stack.start(
         "gateway-epd",
-        gateway_args(model, "epd", encoders=[encoder.address], prefills=[prefill.address], decodes=[decode.address], extra=observability),
+        gateway_args(model, "epd", encoders=[encoder.address], prefills=[prefill.address], decodes=[decode.address], extra=[*MEDIA_LIMITS, *observability]),
     )
-    gateways["epd-combined"] = stack.start("gateway-combined", gateway_args(model, "epd-combined", encoders=[encoder.address], decodes=[combined.address]))
+    gateways["epd-combined"] = stack.start(
+        "gateway-combined", gateway_args(model, "epd-combined", encoders=[encoder.address], decodes=[combined.address], extra=MEDIA_LIMITS)
+    )
     stack.wait_ready(list(gateways.values()), timeout=600)
     return FamilyStack(family, model, stack, encoder, prefill, decode, combined, gateways)
 

@@ -6,6 +6,8 @@ import asyncio
 import urllib.request
 
 import grpc
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
 from prometheus_client.parser import text_string_to_metric_families
 
 from epd.server import CLIENT_OPTIONS
@@ -34,3 +36,13 @@ async def wait_for_metric(metrics_port: int, name: str, expected: float, timeout
         await asyncio.sleep(0.1)
         value = scrape(metrics_port).get(name)
     return value
+
+
+def violations(error: grpc.aio.AioRpcError) -> list[str]:
+    """The field paths of a status's google.rpc.BadRequest details."""
+    fields = []
+    for detail in rpc_status.from_call(error).details:
+        bad_request = error_details_pb2.BadRequest()
+        if detail.Unpack(bad_request):
+            fields += [v.field for v in bad_request.field_violations]
+    return fields

@@ -4,25 +4,13 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from google.rpc import error_details_pb2
-from grpc_status import rpc_status
 
 from epd.client import chat_request, generate
 from epd.testing import synthetic_image_png
 from epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc, engine_pb2, gateway_pb2, multimodal_pb2, prefill_pb2, prefill_pb2_grpc
-from tests.helpers import wait_for_metric
+from tests.helpers import violations, wait_for_metric
 
 PNG = synthetic_image_png(120, 90, seed=5)
-
-
-def _violations(error: grpc.aio.AioRpcError) -> list[str]:
-    status = rpc_status.from_call(error)
-    fields = []
-    for detail in status.details:
-        bad_request = error_details_pb2.BadRequest()
-        if detail.Unpack(bad_request):
-            fields += [v.field for v in bad_request.field_violations]
-    return fields
 
 
 def _empty_prompt() -> gateway_pb2.GenerateRequest:
@@ -44,7 +32,7 @@ async def test_bad_request_gets_invalid_argument_with_field(family_stack, mode, 
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await generate(family_stack.gateway_stub(mode), build(), timeout=60)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
-    assert field in _violations(info.value), info.value.details()
+    assert field in violations(info.value), info.value.details()
     assert field in info.value.details()
 
 
@@ -69,7 +57,7 @@ async def test_embedding_rows_not_matching_metadata_fail_only_that_request(famil
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await prefill_pb2_grpc.PrefillServiceStub(pre_channel).Prefill(request, timeout=60)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "items[0].metadata.embedding_shape" in _violations(info.value)
+    assert "items[0].metadata.embedding_shape" in violations(info.value)
     assert "rows" in info.value.details()
 
 

@@ -1,0 +1,127 @@
+"""Video through the metadata-only path (Qwen3-VL): greedy tokens equal the monolithic vLLM run
+given the raw video, and bad video fails only its own request with the field named."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from epd.client import chat_request, generate
+from epd.testing import synthetic_frames_png, synthetic_image_png, synthetic_video
+from epd.v1 import common_pb2, engine_pb2, multimodal_pb2, prefill_pb2, prefill_pb2_grpc
+from tests.conftest import MAX_VIDEO_FRAMES
+from tests.helpers import violations, wait_for_metric
+
+MIN_TOKENS = 16
+QWEN3 = pytest.mark.parametrize("family", ["qwen3_vl"])
+
+
+def _clip(frames: int, fps: float, seed: int, mime_type: str = "video/mp4", size=(96, 64)) -> tuple[bytes, str]:
+    return synthetic_video(*size, frames, fps=fps, seed=seed, mime_type=mime_type), mime_type
+
+
+def _frames(count: int, fps: float, seed: int, max_frames: int = 0) -> multimodal_pb2.Video:
+    frames = [multimodal_pb2.Media(data=png, mime_type="image/png") for png in synthetic_frames_png(80, 48, count, seed=seed)]
+    return multimodal_pb2.Video(frames=multimodal_pb2.VideoFrames(frames=frames, fps=fps), sampling=multimodal_pb2.VideoSampling(max_frames=max_frames))
+
+
+CASES = {
+    "short_clip": lambda: ["Watch:", _clip(12, 8.0, 1), "What happens?"],
+    # 8 s at 2 fps wants 16 frames; the model's max_frames (8) makes sampling decide.
+    "clip_longer_than_max_frames": lambda: [_clip(80, 10.0, 2), "Summarize the clip."],
+    "two_videos": lambda: [_clip(10, 5.0, 3), "then", _clip(16, 8.0, 4, "video/webm", size=(64, 96)), "Compare them."],
+    "image_and_video": lambda: [(synthetic_image_png(120, 90, seed=5), "image/png"), _clip(14, 7.0, 6), "Does the picture appear in the video?"],
+    "frames_with_sampling_options": lambda: [_frames(9, 6.0, 7, max_frames=4), "Describe the frames."],
+}
+
+
+@QWEN3
+@pytest.mark.parametrize("mode", ["epd", "epd-combined"])
+@pytest.mark.parametrize("case", list(CASES))
+async def test_video_greedy_tokens_match_monolithic(family_stack, family, mode, case):
+    request = chat_request(CASES[case](), max_tokens=20, min_tokens=MIN_TOKENS)
+    oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=180)
+    result = await generate(family_stack.gateway_stub(mode), request, timeout=180)
+
+    assert len(oracle.token_ids) >= MIN_TOKENS
+    assert result.token_ids == oracle.token_ids
+    assert result.finished.usage.prompt_tokens == oracle.finished.usage.prompt_tokens
+    assert result.finished.usage.multimodal_tokens == oracle.finished.usage.multimodal_tokens > 0
+
+
+async def _encode_and_prefill(family_stack, mutate) -> grpc.aio.AioRpcError | None:
+    """Encodes a clip, lets ``mutate`` edit its metadata, and sends it to prefill directly."""
+    from epd.v1 import encoder_pb2, encoder_pb2_grpc
+
+    data, mime = _clip(12, 8.0, 11)
+    async with grpc.aio.insecure_channel(family_stack.encoder.address) as enc, grpc.aio.insecure_channel(family_stack.prefill.address) as pre:
+        item = encoder_pb2.MediaItem(video=multimodal_pb2.Video(file=multimodal_pb2.Media(data=data, mime_type=mime)))
+        (encoded,) = (await encoder_pb2_grpc.EncoderServiceStub(enc).Encode(encoder_pb2.EncodeRequest(items=[item]))).items
+        mutate(encoded.metadata)
+        request = prefill_pb2.PrefillRequest(
+            request_id="timestamps",
+            prompt=engine_pb2.EnginePrompt(token_ids=[1, 2, encoded.metadata.placeholder_token_id, 3]),
+            items=[encoded],
+            sampling=common_pb2.SamplingParams(max_tokens=4, temperature=0),
+        )
+        try:
+            await prefill_pb2_grpc.PrefillServiceStub(pre).Prefill(request, timeout=60)
+        except grpc.aio.AioRpcError as exc:
+            return exc
+    return None
+
+
+@QWEN3
+async def test_prefill_refuses_video_metadata_without_timestamps(family_stack, family):
+    assert await _encode_and_prefill(family_stack, lambda m: None) is None
+    error = await _encode_and_prefill(family_stack, lambda m: m.ClearField("video_timestamps_s"))
+    assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "items[0].metadata.video_timestamps_s" in violations(error)
+
+
+def _parts(part) -> list:
+    return [part, "Hi"]
+
+
+BAD_VIDEO = {
+    "truncated_mp4": (lambda: _parts((_clip(20, 10.0, 8)[0][:900], "video/mp4")), "messages[0].parts[0].video.file.data"),
+    "over_the_frame_limit": (lambda: _parts(_clip(MAX_VIDEO_FRAMES + 30, 30.0, 9, size=(32, 32))), "messages[0].parts[0].video.file.data"),
+    "unsupported_container": (lambda: _parts((b"FLV\x01" + b"\x00" * 64, "video/x-flv")), "messages[0].parts[0].video.file.mime_type"),
+    "max_frames_over_the_model_maximum": (lambda: _parts(_frames(4, 2.0, 10, max_frames=64)), "messages[0].parts[0].video.sampling.max_frames"),
+    "video_bytes_in_an_image_part": (
+        lambda: _parts(multimodal_pb2.Media(data=_clip(6, 6.0, 1)[0], mime_type="video/mp4")),
+        "messages[0].parts[0].image.mime_type",
+    ),
+    "audio_for_a_vision_model": (
+        lambda: _parts(multimodal_pb2.Audio(pcm=multimodal_pb2.PcmAudio(data=b"\0\0" * 1600, sample_rate_hz=16000, channels=1, encoding=1))),
+        "messages[0].parts[0].audio",
+    ),
+}
+
+
+@QWEN3
+@pytest.mark.parametrize("mode", ["epd", "epd-combined", "monolithic"])
+@pytest.mark.parametrize("case", list(BAD_VIDEO))
+async def test_bad_video_gets_invalid_argument_with_field(family_stack, family, mode, case):
+    build, field = BAD_VIDEO[case]
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await generate(family_stack.gateway_stub(mode), chat_request(build(), max_tokens=8), timeout=60)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
+    assert field in violations(info.value), info.value.details()
+
+
+@QWEN3
+async def test_video_stack_serves_and_leaks_nothing_after_bad_input(family_stack, family):
+    request = chat_request([_clip(12, 8.0, 12), "Describe."], max_tokens=16, min_tokens=MIN_TOKENS)
+    oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=180)
+    for mode in ("epd", "epd-combined"):
+        assert (await generate(family_stack.gateway_stub(mode), request, timeout=180)).token_ids == oracle.token_ids
+    assert await wait_for_metric(family_stack.encoder.metrics_port, "epd_arena_leases", 0.0) == 0.0
+
+
+async def test_video_on_qwen2_5_vl_is_unimplemented(family_stack):
+    """Qwen2.5-VL video needs second_per_grid_ts in M-RoPE, which EPD does not carry yet."""
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        await generate(family_stack.gateway_stub("epd"), chat_request(_parts(_clip(6, 6.0, 1)), max_tokens=8), timeout=60)
+    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+    assert "qwen2_5_vl" in info.value.details()
