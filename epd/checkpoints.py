@@ -1,10 +1,10 @@
-"""Tiny random-weight Qwen-VL checkpoints, built offline and deterministically.
+"""Tiny random-weight Qwen-VL and Qwen2-Audio checkpoints, built offline and deterministically.
 
-No vision-language weights can be downloaded here, so tests, benchmarks and the demo run on
-checkpoints that this module builds from a seed: a byte-level BPE tokenizer trained on a
-made-up corpus, Hugging Face configs for the model, tokenizer and processors, and random
-float32 weights in sharded safetensors. The result loads in transformers and in vLLM exactly
-like a real Qwen2.5-VL or Qwen3-VL checkpoint, only about 3 MB large.
+No vision- or audio-language weights can be downloaded here, so tests, benchmarks and the
+demo run on checkpoints that this module builds from a seed: a byte-level BPE tokenizer
+trained on a made-up corpus, Hugging Face configs for the model, tokenizer and processors, and
+random float32 weights in sharded safetensors. The result loads in transformers and in vLLM
+exactly like a real Qwen2.5-VL, Qwen3-VL or Qwen2-Audio checkpoint, only a few MB large.
 
 Layout of a built checkpoint::
 
@@ -12,18 +12,18 @@ Layout of a built checkpoint::
     generation_config.json              eos / pad ids
     tokenizer.json, tokenizer_config.json
     chat_template.jinja                 read by both AutoTokenizer and AutoProcessor
-    preprocessor_config.json            image processor
-    video_preprocessor_config.json      video processor
+    preprocessor_config.json            image processor (audio: Whisper feature extractor)
+    video_preprocessor_config.json      video processor (vision families only)
     processor_config.json               processor class
-    model-00001-of-00003.safetensors    vision tower only
+    model-00001-of-00003.safetensors    the tower only (vision tower, or audio tower + projector)
     model-00002-of-00003.safetensors    embeddings + first half of the decoder layers
     model-00003-of-00003.safetensors    second half of the layers + final norm + lm_head
     model.safetensors.index.json
 
-The vision tower sits alone in its shard so that encoder-only workers can load just that
-file. Every tensor is drawn from a generator seeded by ``(seed, tensor name)``; vision
-tensors use ``vision_seed`` instead, so checkpoints that differ only in ``vision_seed`` share
-byte-identical language-model shards and tokenizer.
+The tower sits alone in its shard so that encoder-only workers can load just that file.
+Every tensor is drawn from a generator seeded by ``(seed, tensor name)``; tower tensors use
+``vision_seed`` instead (the name is kept for the audio tower too), so checkpoints that differ
+only in ``vision_seed`` share byte-identical language-model shards and tokenizer.
 
 Heavy imports (torch, transformers, tokenizers) happen inside the functions that need them,
 so importing this module stays cheap for the CLI.
@@ -49,7 +49,10 @@ if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedConfig
 
+# Vision-language families; tests parametrize their image checks over exactly these.
 FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "qwen3_vl")
+AUDIO_FAMILIES: tuple[str, ...] = ("qwen2_audio",)
+ALL_FAMILIES: tuple[str, ...] = FAMILIES + AUDIO_FAMILIES
 
 # Language-model and vision-tower sizes shared by both families. head_dim is 128 / 2 = 64,
 # and the M-RoPE sections (temporal, height, width) must add up to head_dim / 2.
@@ -76,6 +79,23 @@ _TEMPORAL_PATCH = 2
 _TEXT_INIT_STD = 0.08
 _EMBED_INIT_STD = 0.25
 _VISION_INIT_STD = 0.05
+_AUDIO_INIT_STD = 0.05
+
+# Qwen2-Audio's Whisper-style audio tower, narrowed. The mel bins, the 1500 positions (30 s of
+# 10 ms frames after the stride-2 convolution) and the feature extractor settings below are
+# the released model's, so clip lengths map to the same token counts as on the real model.
+_AUDIO_D_MODEL = 64
+_AUDIO_LAYERS = 2
+_AUDIO_HEADS = 2
+_AUDIO_FFN = 128
+_AUDIO_MEL_BINS = 128
+_AUDIO_MAX_SOURCE_POSITIONS = 1500
+_AUDIO_SAMPLING_RATE = 16000
+_AUDIO_CHUNK_SECONDS = 30
+_AUDIO_HOP_LENGTH = 160
+_AUDIO_N_FFT = 400
+# Qwen2-Audio's language model is a plain Qwen2 (1-D RoPE); 10000 is the released base.
+_AUDIO_ROPE_THETA = 10_000.0
 
 # Byte-level BPE vocabulary size before special tokens: the 256-byte alphabet plus merges.
 _BPE_VOCAB_SIZE = 512
@@ -122,6 +142,17 @@ _QWEN3_VL_ADDED_TOKENS = _QWEN2_5_VL_ADDED_TOKENS + (
     ("</think>", False),
 )
 
+# The released Qwen2-Audio tokenizer: Qwen's first three specials, then the audio markers in
+# the ids where Qwen2 has its object-ref / box markers. Only these six matter here.
+_QWEN2_AUDIO_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
+    ("<|endoftext|>", True),
+    ("<|im_start|>", True),
+    ("<|im_end|>", True),
+    ("<|AUDIO|>", True),
+    ("<|audio_bos|>", True),
+    ("<|audio_eos|>", True),
+)
+
 # The Qwen2-VL chat template: a default system prompt, ChatML turns, and a
 # <|vision_start|><pad><|vision_end|> triple per image or video content part.
 _CHAT_TEMPLATE = (
@@ -147,13 +178,35 @@ _CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# Qwen2-Audio's chat template, as in transformers' Qwen2AudioProcessor: ChatML turns with a
+# default system prompt, and "Audio k: <|audio_bos|><|AUDIO|><|audio_eos|>\n" per audio part,
+# so a rendered prompt holds exactly one <|AUDIO|> per clip. The released template tests only
+# for an "audio" / "audio_url" key; {"type": "audio"} parts are recognised too, as here.
+_AUDIO_CHAT_TEMPLATE = (
+    "{% set audio_count = namespace(value=0) %}"
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'audio' or 'audio' in content or 'audio_url' in content %}"
+    "{% set audio_count.value = audio_count.value + 1 %}"
+    "Audio {{ audio_count.value }}: <|audio_bos|><|AUDIO|><|audio_eos|>\n"
+    "{% elif 'text' in content %}{{ content['text'] }}"
+    "{% endif %}{% endfor %}<|im_end|>\n"
+    "{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 _CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 _CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 
 @dataclass(frozen=True)
 class _Family:
-    """What differs between the two Qwen-VL families.
+    """What differs between the two Qwen-VL (vision) families.
 
     Attributes:
         architecture: transformers model class name, written to ``config.architectures``.
@@ -174,6 +227,7 @@ class _Family:
     image_mean: list[float]
     image_std: list[float]
     rope_theta: float
+    chat_template = _CHAT_TEMPLATE  # a class constant, not a field
 
     @property
     def merged_patch(self) -> int:
@@ -191,7 +245,25 @@ class _Family:
         return (8 * self.merged_patch) ** 2
 
 
-_FAMILY_SPECS: dict[str, _Family] = {
+@dataclass(frozen=True)
+class _AudioFamily:
+    """An audio-language family (Qwen2-Audio).
+
+    Attributes:
+        architecture: transformers model class name, written to ``config.architectures``.
+        processor_class: transformers processor class name.
+        added_tokens: tokenizer added tokens in id order, as (content, special).
+        rope_theta: base of the language model's rotary embedding.
+    """
+
+    architecture: str
+    processor_class: str
+    added_tokens: tuple[tuple[str, bool], ...]
+    rope_theta: float
+    chat_template = _AUDIO_CHAT_TEMPLATE  # a class constant, not a field
+
+
+_FAMILY_SPECS: dict[str, _Family | _AudioFamily] = {
     "qwen2_5_vl": _Family(
         architecture="Qwen2_5_VLForConditionalGeneration",
         processor_class="Qwen2_5_VLProcessor",
@@ -212,12 +284,19 @@ _FAMILY_SPECS: dict[str, _Family] = {
         image_std=[0.5, 0.5, 0.5],
         rope_theta=5_000_000.0,
     ),
+    "qwen2_audio": _AudioFamily(
+        architecture="Qwen2AudioForConditionalGeneration",
+        processor_class="Qwen2AudioProcessor",
+        added_tokens=_QWEN2_AUDIO_ADDED_TOKENS,
+        rope_theta=_AUDIO_ROPE_THETA,
+    ),
 }
 
 _NUM_SHARDS = 3
-_VISION_SHARD = 1
+_TOWER_SHARD = 1
 _INDEX_FILE = "model.safetensors.index.json"
-# Files besides the weight shards that a complete checkpoint has.
+# Files besides the weight shards that every complete checkpoint has; vision families also
+# have a video processor config.
 _REQUIRED_FILES = (
     "config.json",
     "generation_config.json",
@@ -225,10 +304,22 @@ _REQUIRED_FILES = (
     "tokenizer_config.json",
     "chat_template.jinja",
     "preprocessor_config.json",
-    "video_preprocessor_config.json",
     "processor_config.json",
     _INDEX_FILE,
 )
+_VISION_REQUIRED_FILES = ("video_preprocessor_config.json",)
+
+# Where Qwen2-Audio's modules sit in transformers 5 (left) and in the released checkpoint,
+# which vLLM reads (right). transformers 5.19's own reverse renaming doubles the inner
+# "model." of the language model (``language_model.model.model.*``): its save_pretrained
+# output loads back into transformers 5 but not into vLLM, so these names are written directly.
+_QWEN2_AUDIO_DISK_PREFIXES = (
+    ("model.audio_tower.", "audio_tower."),
+    ("model.multi_modal_projector.", "multi_modal_projector."),
+    ("model.language_model.", "language_model.model."),
+    ("lm_head.", "language_model.lm_head."),
+)
+_AUDIO_TOWER_PREFIXES = ("audio_tower.", "multi_modal_projector.")
 
 
 def build_tiny_checkpoint(
@@ -241,19 +332,20 @@ def build_tiny_checkpoint(
     """Builds (or overwrites) a tiny random-weight checkpoint in ``out_dir``.
 
     Args:
-        family: one of :data:`FAMILIES`.
+        family: one of :data:`ALL_FAMILIES`.
         out_dir: directory to write; created if missing, existing checkpoint files replaced.
-        seed: seeds the language-model weights (and the vision weights unless
+        seed: seeds the language-model weights (and the tower weights unless
             ``vision_seed`` is given).
-        vision_seed: seeds only the vision tower weights; defaults to ``seed``. Two
-            checkpoints with the same ``seed`` and different ``vision_seed`` have
-            byte-identical tokenizer, configs and language-model shards.
+        vision_seed: seeds only the tower weights (the vision tower, or the audio tower and
+            its projector); defaults to ``seed``. Two checkpoints with the same ``seed`` and
+            different ``vision_seed`` have byte-identical tokenizer, configs and
+            language-model shards.
 
     Returns:
         The checkpoint directory.
 
     Raises:
-        ValueError: ``family`` is not one of :data:`FAMILIES`.
+        ValueError: ``family`` is not one of :data:`ALL_FAMILIES`.
     """
     spec = _family_spec(family)
     out = pathlib.Path(out_dir)
@@ -261,7 +353,10 @@ def build_tiny_checkpoint(
     tokenizer = _build_tokenizer(spec)
     token_ids = {content: tokenizer.token_to_id(content) for content, _ in spec.added_tokens}
     _write_tokenizer_files(out, tokenizer, spec)
-    config = _build_config(family, spec, vocab_size=tokenizer.get_vocab_size(), token_ids=token_ids)
+    if isinstance(spec, _AudioFamily):
+        config = _build_audio_config(spec, vocab_size=tokenizer.get_vocab_size(), token_ids=token_ids)
+    else:
+        config = _build_config(family, spec, vocab_size=tokenizer.get_vocab_size(), token_ids=token_ids)
     config.to_json_file(out / "config.json", use_diff=True)
     _write_json(
         out / "generation_config.json",
@@ -271,7 +366,10 @@ def build_tiny_checkpoint(
             "pad_token_id": token_ids["<|endoftext|>"],
         },
     )
-    _write_processor_configs(out, spec)
+    if isinstance(spec, _AudioFamily):
+        _write_audio_processor_configs(out, spec)
+    else:
+        _write_processor_configs(out, spec)
     _write_sharded_weights(out, config, seed=seed, vision_seed=seed if vision_seed is None else vision_seed)
     return out
 
@@ -291,7 +389,7 @@ def ensure_tiny_checkpoint(
     into place, so concurrent or aborted builds never expose a half-written checkpoint.
 
     Args:
-        family: one of :data:`FAMILIES`.
+        family: one of :data:`ALL_FAMILIES`.
         root: parent directory of the checkpoints; created if missing.
         seed: see :func:`build_tiny_checkpoint`.
         vision_seed: see :func:`build_tiny_checkpoint`.
@@ -300,22 +398,22 @@ def ensure_tiny_checkpoint(
         The checkpoint directory.
 
     Raises:
-        ValueError: ``family`` is not one of :data:`FAMILIES`.
+        ValueError: ``family`` is not one of :data:`ALL_FAMILIES`.
     """
-    _family_spec(family)
+    spec = _family_spec(family)
     root_path = pathlib.Path(root)
     name = f"{family}-s{seed}"
     if vision_seed is not None and vision_seed != seed:
         name += f"-v{vision_seed}"
     target = root_path / name
-    if _is_complete(target):
+    if _is_complete(target, spec):
         return target
     root_path.mkdir(parents=True, exist_ok=True)
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root_path))
     staging.chmod(0o755)  # mkdtemp makes it owner-only; the checkpoint is meant to be shared
     try:
         build_tiny_checkpoint(family, staging, seed=seed, vision_seed=vision_seed)
-        if target.exists() and not _is_complete(target):
+        if target.exists() and not _is_complete(target, spec):
             # Left behind by an aborted non-atomic writer; move it aside so the rename below
             # can land. A concurrent builder may have moved it already, hence the suppress.
             trash = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}.trash.", dir=root_path))
@@ -326,24 +424,25 @@ def ensure_tiny_checkpoint(
             staging.rename(target)
         except OSError:
             # A concurrent builder renamed its copy in first; both are byte-identical.
-            if not _is_complete(target):
+            if not _is_complete(target, spec):
                 raise
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
-def _family_spec(family: str) -> _Family:
+def _family_spec(family: str) -> _Family | _AudioFamily:
     """The spec of ``family``; raises ValueError for an unknown one."""
     try:
         return _FAMILY_SPECS[family]
     except KeyError:
-        raise ValueError(f"unknown family {family!r}; expected one of {FAMILIES}") from None
+        raise ValueError(f"unknown family {family!r}; expected one of {ALL_FAMILIES}") from None
 
 
-def _is_complete(path: pathlib.Path) -> bool:
-    """Whether ``path`` holds every file a built checkpoint has, shards included."""
-    if not all((path / name).is_file() for name in _REQUIRED_FILES):
+def _is_complete(path: pathlib.Path, spec: _Family | _AudioFamily) -> bool:
+    """Whether ``path`` holds every file a built checkpoint of ``spec`` has, shards included."""
+    required = _REQUIRED_FILES if isinstance(spec, _AudioFamily) else _REQUIRED_FILES + _VISION_REQUIRED_FILES
+    if not all((path / name).is_file() for name in required):
         return False
     try:
         weight_map = json.loads((path / _INDEX_FILE).read_text())["weight_map"]
@@ -372,7 +471,7 @@ def _tokenizer_corpus() -> list[str]:
     return lines
 
 
-def _build_tokenizer(spec: _Family) -> tokenizers.Tokenizer:
+def _build_tokenizer(spec: _Family | _AudioFamily) -> tokenizers.Tokenizer:
     """Trains a byte-level BPE with Qwen's pre-tokenizer and appends Qwen's added tokens.
 
     The normaliser, pre-tokenizer and decoder match what transformers' ``Qwen2Tokenizer``
@@ -400,13 +499,11 @@ def _build_tokenizer(spec: _Family) -> tokenizers.Tokenizer:
     if tokenizer.get_vocab_size() != _BPE_VOCAB_SIZE:
         raise RuntimeError(f"BPE training gave {tokenizer.get_vocab_size()} tokens, expected {_BPE_VOCAB_SIZE}")
     # Added after training so that, as in Qwen, they take the ids after the BPE vocabulary.
-    tokenizer.add_tokens(
-        [AddedToken(content, special=special, normalized=False) for content, special in spec.added_tokens]
-    )
+    tokenizer.add_tokens([AddedToken(content, special=special, normalized=False) for content, special in spec.added_tokens])
     return tokenizer
 
 
-def _write_tokenizer_files(out: pathlib.Path, tokenizer: tokenizers.Tokenizer, spec: _Family) -> None:
+def _write_tokenizer_files(out: pathlib.Path, tokenizer: tokenizers.Tokenizer, spec: _Family | _AudioFamily) -> None:
     """Writes tokenizer.json, tokenizer_config.json and chat_template.jinja."""
     _write_text(out / "tokenizer.json", tokenizer.to_str(pretty=True) + "\n")
     _write_json(
@@ -426,12 +523,10 @@ def _write_tokenizer_files(out: pathlib.Path, tokenizer: tokenizers.Tokenizer, s
         },
     )
     # transformers 5 reads chat_template.jinja for both the tokenizer and the processor.
-    _write_text(out / "chat_template.jinja", _CHAT_TEMPLATE)
+    _write_text(out / "chat_template.jinja", spec.chat_template)
 
 
-def _build_config(
-    family: str, spec: _Family, *, vocab_size: int, token_ids: Mapping[str, int]
-) -> PreTrainedConfig:
+def _build_config(family: str, spec: _Family, *, vocab_size: int, token_ids: Mapping[str, int]) -> PreTrainedConfig:
     """Builds the transformers model config (``Qwen2_5_VLConfig`` or ``Qwen3VLConfig``)."""
     import transformers
 
@@ -493,6 +588,45 @@ def _build_config(
     )
 
 
+def _build_audio_config(spec: _AudioFamily, *, vocab_size: int, token_ids: Mapping[str, int]) -> PreTrainedConfig:
+    """Builds the transformers ``Qwen2AudioConfig``: a narrow Whisper-style tower, a Qwen2 LM."""
+    import transformers
+
+    text_config: dict[str, Any] = {
+        "vocab_size": vocab_size,
+        "hidden_size": _TEXT_HIDDEN,
+        "intermediate_size": _TEXT_INTERMEDIATE,
+        "num_hidden_layers": _TEXT_LAYERS,
+        "num_attention_heads": _TEXT_HEADS,
+        "num_key_value_heads": _TEXT_KV_HEADS,
+        "max_position_embeddings": _MAX_POSITIONS,
+        "rms_norm_eps": 1e-6,
+        "initializer_range": _TEXT_INIT_STD,
+        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
+        "tie_word_embeddings": False,
+        "bos_token_id": token_ids["<|endoftext|>"],
+        "eos_token_id": token_ids["<|im_end|>"],
+        "pad_token_id": token_ids["<|endoftext|>"],
+        "dtype": "float32",
+    }
+    audio_config: dict[str, Any] = {
+        "d_model": _AUDIO_D_MODEL,
+        "encoder_layers": _AUDIO_LAYERS,
+        "encoder_attention_heads": _AUDIO_HEADS,
+        "encoder_ffn_dim": _AUDIO_FFN,
+        "num_mel_bins": _AUDIO_MEL_BINS,
+        "max_source_positions": _AUDIO_MAX_SOURCE_POSITIONS,
+        "initializer_range": _AUDIO_INIT_STD,
+    }
+    return transformers.Qwen2AudioConfig(
+        audio_config=audio_config,
+        text_config=text_config,
+        audio_token_index=token_ids["<|AUDIO|>"],
+        architectures=[spec.architecture],
+        dtype="float32",
+    )
+
+
 def _write_processor_configs(out: pathlib.Path, spec: _Family) -> None:
     """Writes the image, video and processor configs, with small pixel limits."""
     shared = {
@@ -530,13 +664,37 @@ def _write_processor_configs(out: pathlib.Path, spec: _Family) -> None:
     _write_json(out / "processor_config.json", {"processor_class": spec.processor_class})
 
 
+def _write_audio_processor_configs(out: pathlib.Path, spec: _AudioFamily) -> None:
+    """Writes the Whisper feature extractor config (the released Qwen2-Audio's settings) and
+    the processor config."""
+    _write_json(
+        out / "preprocessor_config.json",
+        {
+            "chunk_length": _AUDIO_CHUNK_SECONDS,
+            "feature_extractor_type": "WhisperFeatureExtractor",
+            "feature_size": _AUDIO_MEL_BINS,
+            "hop_length": _AUDIO_HOP_LENGTH,
+            "n_fft": _AUDIO_N_FFT,
+            "n_samples": _AUDIO_CHUNK_SECONDS * _AUDIO_SAMPLING_RATE,
+            "nb_max_frames": _AUDIO_CHUNK_SECONDS * _AUDIO_SAMPLING_RATE // _AUDIO_HOP_LENGTH,
+            "padding_side": "right",
+            "padding_value": 0.0,
+            "processor_class": spec.processor_class,
+            "return_attention_mask": True,
+            "sampling_rate": _AUDIO_SAMPLING_RATE,
+        },
+    )
+    _write_json(out / "processor_config.json", {"processor_class": spec.processor_class})
+
+
 def _write_sharded_weights(out: pathlib.Path, config: PreTrainedConfig, *, seed: int, vision_seed: int) -> None:
     """Writes random float32 weights as safetensors shards plus the index.
 
     Tensor names and shapes come from the transformers model built on the meta device (no
     memory, no init), renamed to the on-disk names with the function ``save_pretrained``
     itself uses: Qwen2.5-VL is stored as ``visual.*`` / ``model.*``, Qwen3-VL as
-    ``model.visual.*`` / ``model.language_model.*``, both with ``lm_head.*``.
+    ``model.visual.*`` / ``model.language_model.*``, both with ``lm_head.*``. Qwen2-Audio
+    gets the released checkpoint's names instead (see ``_QWEN2_AUDIO_DISK_PREFIXES``).
     """
     import safetensors.torch
     import torch
@@ -545,13 +703,14 @@ def _write_sharded_weights(out: pathlib.Path, config: PreTrainedConfig, *, seed:
 
     with torch.device("meta"):
         model = getattr(transformers, config.architectures[0])(config)
-    shapes = revert_weight_conversion(model, model.state_dict())
+    if config.model_type == "qwen2_audio":
+        shapes = {_qwen2_audio_disk_name(name): tensor for name, tensor in model.state_dict().items()}
+    else:
+        shapes = revert_weight_conversion(model, model.state_dict())
 
     shards: dict[int, dict[str, torch.Tensor]] = {index: {} for index in range(1, _NUM_SHARDS + 1)}
     for name, meta in sorted(shapes.items()):
-        tensor = _random_tensor(
-            name, tuple(meta.shape), seed=vision_seed if _is_vision_tensor(name) else seed, std=_init_std(name)
-        )
+        tensor = _random_tensor(name, tuple(meta.shape), seed=vision_seed if _is_tower_tensor(name) else seed, std=_init_std(name))
         shards[_shard_of(name, config.text_config.num_hidden_layers)][name] = tensor
 
     weight_map: dict[str, str] = {}
@@ -567,22 +726,33 @@ def _write_sharded_weights(out: pathlib.Path, config: PreTrainedConfig, *, seed:
     _write_json(out / _INDEX_FILE, {"metadata": {"total_size": total_size}, "weight_map": weight_map})
 
 
-def _is_vision_tensor(name: str) -> bool:
-    """Whether an on-disk tensor name belongs to the vision tower (``visual.`` submodule)."""
-    return "visual" in name.split(".")
+def _qwen2_audio_disk_name(name: str) -> str:
+    """The released Qwen2-Audio checkpoint's name of a transformers 5 parameter name."""
+    for module_prefix, disk_prefix in _QWEN2_AUDIO_DISK_PREFIXES:
+        if name.startswith(module_prefix):
+            return disk_prefix + name[len(module_prefix) :]
+    raise ValueError(f"unexpected Qwen2-Audio parameter {name!r}")
+
+
+def _is_tower_tensor(name: str) -> bool:
+    """Whether an on-disk tensor name belongs to the tower: the ``visual.`` submodule, or the
+    audio tower and the projector that maps its output to the LM width."""
+    return "visual" in name.split(".") or name.startswith(_AUDIO_TOWER_PREFIXES)
 
 
 def _init_std(name: str) -> float:
     """Std of the normal init of a weight matrix, by role (see ``_TEXT_INIT_STD``)."""
-    if _is_vision_tensor(name):
+    if name.startswith(_AUDIO_TOWER_PREFIXES):
+        return _AUDIO_INIT_STD
+    if _is_tower_tensor(name):
         return _VISION_INIT_STD
     return _EMBED_INIT_STD if "embed_tokens" in name.split(".") else _TEXT_INIT_STD
 
 
 def _shard_of(name: str, num_layers: int) -> int:
-    """Shard number (1-based) of a tensor: vision alone, then the LM split by layer."""
-    if _is_vision_tensor(name):
-        return _VISION_SHARD
+    """Shard number (1-based) of a tensor: the tower alone, then the LM split by layer."""
+    if _is_tower_tensor(name):
+        return _TOWER_SHARD
     parts = name.split(".")
     if "layers" in parts:
         layer = int(parts[parts.index("layers") + 1])
@@ -620,10 +790,10 @@ def _write_text(path: pathlib.Path, text: str) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Command line: ``python -m epd.checkpoints --family F --out DIR [--seed N] [--vision-seed M]``."""
     parser = argparse.ArgumentParser(prog="python -m epd.checkpoints", description=__doc__.splitlines()[0])
-    parser.add_argument("--family", required=True, choices=FAMILIES)
+    parser.add_argument("--family", required=True, choices=ALL_FAMILIES)
     parser.add_argument("--out", required=True, type=pathlib.Path, help="checkpoint directory to write")
     parser.add_argument("--seed", type=int, default=0, help="seed of the language-model weights")
-    parser.add_argument("--vision-seed", type=int, default=None, help="seed of the vision weights (default: --seed)")
+    parser.add_argument("--vision-seed", type=int, default=None, help="seed of the tower (vision or audio) weights (default: --seed)")
     args = parser.parse_args(argv)
     path = build_tiny_checkpoint(args.family, args.out, seed=args.seed, vision_seed=args.vision_seed)
     print(path)

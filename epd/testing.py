@@ -1,13 +1,16 @@
-"""Deterministic synthetic media for the demo, tests and benchmarks."""
+"""Deterministic synthetic media for the demo, tests and benchmarks: no data sets can be
+downloaded here, and seeded gradients, frames, tones and noise are enough to tell items apart."""
 
 from __future__ import annotations
 
 import io
+import wave
+
+import numpy as np
 
 
 def synthetic_image_png(width: int, height: int, *, seed: int) -> bytes:
     """A PNG with smooth gradients plus seeded noise, so different seeds encode differently."""
-    import numpy as np
     from PIL import Image
 
     rng = np.random.default_rng(seed)
@@ -27,8 +30,6 @@ VIDEO_CODECS = {"video/mp4": ("mp4v", ".mp4"), "video/webm": ("VP80", ".webm")}
 
 def synthetic_frames(width: int, height: int, count: int, *, seed: int):
     """RGB uint8 frames [count, height, width, 3]: a moving gradient plus seeded noise."""
-    import numpy as np
-
     rng = np.random.default_rng(seed)
     y, x = np.mgrid[0:height, 0:width]
     frames = []
@@ -67,3 +68,63 @@ def synthetic_frames_png(width: int, height: int, count: int, *, seed: int) -> l
         Image.fromarray(frame, "RGB").save(buffer, format="PNG")
         out.append(buffer.getvalue())
     return out
+
+
+# ---- audio ------------------------------------------------------------------------------
+
+
+def sine_samples(seconds: float, rate: int = 16000, freq: float = 440.0, *, channels: int = 1, seed: int = 0) -> np.ndarray:
+    """A float32 tone at amplitude 0.5 plus seeded noise, ``[frames]`` (mono) or
+    ``[frames, channels]``; each channel is shifted in phase so that a mixdown is not trivial."""
+    frames = round(seconds * rate)
+    t = np.arange(frames, dtype=np.float64) / rate
+    tones = [0.5 * np.sin(2 * np.pi * freq * t + channel * np.pi / 3) for channel in range(channels)]
+    noise = np.random.default_rng(seed).normal(0.0, 0.05, size=(frames, channels))
+    samples = np.clip(np.stack(tones, axis=-1) + noise, -1.0, 1.0).astype(np.float32)
+    return samples[:, 0] if channels == 1 else samples
+
+
+def sine_wav(seconds: float, rate: int = 16000, freq: float = 440.0, *, channels: int = 1, seed: int = 0) -> bytes:
+    """:func:`sine_samples` as a 16-bit PCM WAV file, written with the standard library."""
+    return wav_int16(sine_samples(seconds, rate, freq, channels=channels, seed=seed), rate)
+
+
+def wav_int16(samples: np.ndarray, rate: int) -> bytes:
+    """A 16-bit PCM WAV file of float samples in [-1, 1], ``[frames]`` or ``[frames, channels]``."""
+    frames = samples if samples.ndim == 2 else samples[:, None]
+    buffer = io.BytesIO()
+    with wave.open(buffer, "wb") as out:
+        out.setnchannels(frames.shape[1])
+        out.setsampwidth(2)
+        out.setframerate(rate)
+        out.writeframes(pcm_bytes(frames, "s16le"))
+    return buffer.getvalue()
+
+
+def noise_flac(seconds: float, rate: int = 16000, *, channels: int = 1, seed: int = 0) -> bytes:
+    """Seeded uniform noise at amplitude 0.5 as a 16-bit FLAC file."""
+    return soundfile_bytes(noise_samples(seconds, rate, channels=channels, seed=seed), rate, container="FLAC", subtype="PCM_16")
+
+
+def noise_samples(seconds: float, rate: int = 16000, *, channels: int = 1, seed: int = 0) -> np.ndarray:
+    """Seeded float32 uniform noise in [-0.5, 0.5), ``[frames]`` or ``[frames, channels]``."""
+    samples = np.random.default_rng(seed).uniform(-0.5, 0.5, size=(round(seconds * rate), channels)).astype(np.float32)
+    return samples[:, 0] if channels == 1 else samples
+
+
+def soundfile_bytes(samples: np.ndarray, rate: int, *, container: str = "WAV", subtype: str = "FLOAT") -> bytes:
+    """Any container / sample format libsndfile writes, e.g. a 32-bit float WAV."""
+    import soundfile
+
+    buffer = io.BytesIO()
+    soundfile.write(buffer, samples, rate, format=container, subtype=subtype)
+    return buffer.getvalue()
+
+
+def pcm_bytes(samples: np.ndarray, encoding: str) -> bytes:
+    """Raw interleaved little-endian PCM (``"s16le"`` or ``"f32le"``) of float samples."""
+    if encoding == "f32le":
+        return np.ascontiguousarray(samples, dtype="<f4").tobytes()
+    if encoding == "s16le":
+        return np.round(np.clip(samples, -1.0, 32767 / 32768) * 32768).astype("<i2").tobytes()
+    raise ValueError(f"unknown PCM encoding {encoding!r}")

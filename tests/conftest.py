@@ -127,7 +127,11 @@ def family_stack(stacks, request) -> FamilyStack:
 def pytest_collection_modifyitems(items):
     """Runs all tests of one family together, so each family's stack starts only once."""
 
-    items.sort(key=lambda item: ("family_stack" in getattr(item, "fixturenames", ()), _family_of(item) != DEFAULT_FAMILY))
+    def key(item):
+        family = _family_of(item)
+        return "family_stack" in getattr(item, "fixturenames", ()), family != DEFAULT_FAMILY, family
+
+    items.sort(key=key)
 
 
 def _family_of(item) -> str:

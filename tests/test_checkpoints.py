@@ -1,8 +1,8 @@
 """Tests of the tiny random-weight checkpoints (epd.checkpoints).
 
-They check that builds are byte-for-byte reproducible, that the vision tower has shards of
-its own, and that transformers and vLLM both load the result and decode the same greedy
-tokens. Run directly (``python tests/test_checkpoints.py CHECKPOINT_DIR RESULT_JSON``), this
+They check that builds are byte-for-byte reproducible, that the tower (vision, or audio plus
+projector) has shards of its own, and that transformers and vLLM both load the result and
+decode the same greedy tokens. Run directly (``python tests/test_checkpoints.py CHECKPOINT_DIR RESULT_JSON``), this
 file is the vLLM worker of the last test: vLLM's engine spawns processes and holds memory
 until exit, so it runs in a fresh interpreter per checkpoint.
 """
@@ -21,13 +21,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from epd.checkpoints import FAMILIES, build_tiny_checkpoint, ensure_tiny_checkpoint
+from epd.checkpoints import ALL_FAMILIES, AUDIO_FAMILIES, FAMILIES, build_tiny_checkpoint, ensure_tiny_checkpoint
+from epd.testing import noise_samples, sine_samples
 
 NEW_TOKENS = 16
 IMAGE_SIZE = (200, 150)  # (width, height): a few dozen placeholder tokens
-MESSAGES = [
-    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe this picture."}]}
-]
+MESSAGES = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe this picture."}]}]
+AUDIO_MESSAGES = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "What is this sound?"}]}]
+AUDIO_RATE = 16000
 
 
 def synthetic_image(seed: int) -> Image.Image:
@@ -37,6 +38,13 @@ def synthetic_image(seed: int) -> Image.Image:
     gradient = np.stack([x * 255 // width, y * 255 // height, (x + y) * 255 // (width + height)], axis=-1)
     noise = np.random.default_rng(seed).integers(0, 96, size=(height, width, 3))
     return Image.fromarray(((gradient + noise) % 256).astype(np.uint8))
+
+
+def synthetic_clip(seed: int) -> np.ndarray:
+    """A deterministic mono clip at 16 kHz: a tone for seed 0, noise otherwise, lengths differ."""
+    if seed == 0:
+        return sine_samples(1.3, AUDIO_RATE, 330.0, seed=seed)
+    return noise_samples(0.8 + 0.4 * seed, AUDIO_RATE, seed=seed)
 
 
 def file_bytes(directory: pathlib.Path) -> dict[str, bytes]:
@@ -51,6 +59,10 @@ def is_vision(name: str) -> bool:
     return "visual" in name.split(".")
 
 
+def is_audio_tower(name: str) -> bool:
+    return name.startswith(("audio_tower.", "multi_modal_projector."))
+
+
 def shard_files(directory: pathlib.Path, *, vision: bool) -> set[str]:
     return {shard for name, shard in weight_map(directory).items() if is_vision(name) == vision}
 
@@ -59,6 +71,12 @@ def shard_files(directory: pathlib.Path, *, vision: bool) -> set[str]:
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
     root = tmp_path_factory.mktemp("checkpoints")
     return {family: ensure_tiny_checkpoint(family, root) for family in FAMILIES}
+
+
+@pytest.fixture(scope="module")
+def audio_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> pathlib.Path:
+    (family,) = AUDIO_FAMILIES
+    return ensure_tiny_checkpoint(family, tmp_path_factory.mktemp("audio-checkpoints"))
 
 
 # --- determinism and layout ------------------------------------------------------------
@@ -139,6 +157,41 @@ def test_ensure_reuses_and_repairs(tmp_path: pathlib.Path) -> None:
 def test_unknown_family_is_rejected(tmp_path: pathlib.Path) -> None:
     with pytest.raises(ValueError, match="unknown family"):
         build_tiny_checkpoint("llava", tmp_path)
+    assert ALL_FAMILIES == FAMILIES + AUDIO_FAMILIES == ("qwen2_5_vl", "qwen3_vl", "qwen2_audio")
+
+
+def test_audio_tower_has_a_shard_of_its_own(audio_checkpoint: pathlib.Path) -> None:
+    from safetensors import safe_open
+
+    index = json.loads((audio_checkpoint / "model.safetensors.index.json").read_text())
+    mapping = index["weight_map"]
+    # The released Qwen2-Audio names, which vLLM and transformers both read.
+    assert {name.split(".")[0] for name in mapping} == {"audio_tower", "multi_modal_projector", "language_model"}
+    assert "language_model.model.embed_tokens.weight" in mapping and "language_model.lm_head.weight" in mapping
+    assert "multi_modal_projector.linear.weight" in mapping and "audio_tower.conv1.weight" in mapping
+    tower = {shard for name, shard in mapping.items() if is_audio_tower(name)}
+    assert tower == {"model-00001-of-00003.safetensors"}
+    assert not tower & {shard for name, shard in mapping.items() if not is_audio_tower(name)}
+    total = 0
+    for shard in sorted(set(mapping.values())):
+        with safe_open(audio_checkpoint / shard, framework="pt") as f:
+            assert set(f.keys()) == {name for name, where in mapping.items() if where == shard}
+            for name in f.keys():
+                tensor = f.get_tensor(name)
+                assert str(tensor.dtype) == "torch.float32", name
+                total += tensor.numel() * tensor.element_size()
+    assert index["metadata"]["total_size"] == total
+    assert total < 8 * 2**20
+
+
+def test_audio_seed_changes_only_the_tower_shard(audio_checkpoint: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    # audio_checkpoint is seed 0; vision_seed seeds the audio tower and projector.
+    other_tower = build_tiny_checkpoint("qwen2_audio", tmp_path / "v1", seed=0, vision_seed=1)
+    base_files, tower_files = file_bytes(audio_checkpoint), file_bytes(other_tower)
+    assert sorted(base_files) == sorted(tower_files)
+    assert "video_preprocessor_config.json" not in base_files
+    changed = {name for name, data in base_files.items() if tower_files[name] != data}
+    assert changed == {"model-00001-of-00003.safetensors"}
 
 
 # --- transformers ----------------------------------------------------------------------
@@ -230,9 +283,7 @@ def test_transformers_loads_processes_and_generates(checkpoints: dict[str, pathl
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_tensor_names_match_save_pretrained(
-    checkpoints: dict[str, pathlib.Path], family: str, tmp_path: pathlib.Path
-) -> None:
+def test_tensor_names_match_save_pretrained(checkpoints: dict[str, pathlib.Path], family: str, tmp_path: pathlib.Path) -> None:
     from transformers import AutoConfig, AutoModelForImageTextToText
 
     directory = checkpoints[family]
@@ -251,14 +302,78 @@ def test_tensor_names_match_save_pretrained(
     assert saved_names == set(weight_map(directory))
 
 
+def hf_greedy_audio(directory: pathlib.Path, clips: list[np.ndarray]) -> tuple[list[list[int]], list[list[int]]]:
+    """Prompt ids and NEW_TOKENS greedy tokens per clip, from transformers."""
+    import torch
+    from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(directory)
+    model = Qwen2AudioForConditionalGeneration.from_pretrained(directory).eval()
+    text = processor.apply_chat_template(AUDIO_MESSAGES, tokenize=False, add_generation_prompt=True)
+    prompts, outputs = [], []
+    for clip in clips:
+        inputs = processor(text=[text], audio=[clip], sampling_rate=AUDIO_RATE, return_tensors="pt")
+        with torch.no_grad():
+            generated = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+        prompt_len = inputs["input_ids"].shape[1]
+        prompts.append(inputs["input_ids"][0].tolist())
+        outputs.append(generated[0, prompt_len:].tolist())
+    return prompts, outputs
+
+
+def test_transformers_loads_processes_and_generates_audio(audio_checkpoint: pathlib.Path) -> None:
+    from transformers import AutoConfig, AutoProcessor, AutoTokenizer, Qwen2AudioForConditionalGeneration
+
+    config = AutoConfig.from_pretrained(audio_checkpoint)
+    tokenizer = AutoTokenizer.from_pretrained(audio_checkpoint)
+    processor = AutoProcessor.from_pretrained(audio_checkpoint)
+    assert config.model_type == "qwen2_audio" and type(processor).__name__ == "Qwen2AudioProcessor"
+    assert config.text_config.vocab_size == len(tokenizer)
+    assert config.text_config.hidden_size == 128 and config.text_config.num_hidden_layers == 2
+    audio = config.audio_config
+    assert (audio.d_model, audio.encoder_layers, audio.encoder_attention_heads, audio.encoder_ffn_dim) == (64, 2, 2, 128)
+    assert (audio.num_mel_bins, audio.max_source_positions) == (128, 1500)
+    assert config.audio_token_id == processor.audio_token_id == tokenizer.convert_tokens_to_ids("<|AUDIO|>")
+    extractor = processor.feature_extractor
+    assert type(extractor).__name__ == "WhisperFeatureExtractor"
+    # The released Qwen2-Audio preprocessor settings.
+    assert (extractor.feature_size, extractor.sampling_rate, extractor.chunk_length) == (128, 16000, 30)
+    assert (extractor.hop_length, extractor.n_fft, extractor.n_samples, extractor.nb_max_frames) == (160, 400, 480000, 3000)
+    assert extractor.return_attention_mask
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+
+    two_clips = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "vs"}, {"type": "audio"}]}]
+    for render in (processor.apply_chat_template, tokenizer.apply_chat_template):
+        text = render(AUDIO_MESSAGES, tokenize=False, add_generation_prompt=True)
+        assert text == (
+            "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+            "<|im_start|>user\nAudio 1: <|audio_bos|><|AUDIO|><|audio_eos|>\nWhat is this sound?<|im_end|>\n"
+            "<|im_start|>assistant\n"
+        )
+        assert "Audio 1: <|audio_bos|><|AUDIO|><|audio_eos|>\nvsAudio 2: <|audio_bos|><|AUDIO|><|audio_eos|>\n<|im_end|>" in render(
+            two_clips, tokenize=False
+        )
+
+    inputs = processor(text=[text], audio=[synthetic_clip(0)], sampling_rate=AUDIO_RATE, return_tensors="pt")
+    frames = int(inputs["feature_attention_mask"].sum())
+    assert frames == 130  # 1.3 s of 10 ms frames
+    assert int((inputs["input_ids"] == config.audio_token_id).sum()) == ((frames - 1) // 2 + 1 - 2) // 2 + 1
+
+    _, info = Qwen2AudioForConditionalGeneration.from_pretrained(audio_checkpoint, output_loading_info=True)
+    assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+
+    _, (first, second) = hf_greedy_audio(audio_checkpoint, [synthetic_clip(0), synthetic_clip(1)])
+    assert len(first) == NEW_TOKENS
+    assert len(set(first)) > 3, f"greedy output barely varies: {first}"
+    assert first != second, "the audio does not influence the output"
+
+
 # --- vLLM ------------------------------------------------------------------------------
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 @pytest.mark.parametrize("family", FAMILIES)
-def test_vllm_matches_transformers_greedy(
-    checkpoints: dict[str, pathlib.Path], family: str, tmp_path: pathlib.Path
-) -> None:
+def test_vllm_matches_transformers_greedy(checkpoints: dict[str, pathlib.Path], family: str, tmp_path: pathlib.Path) -> None:
     directory = checkpoints[family]
     result_file = tmp_path / "vllm.json"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
@@ -278,14 +393,31 @@ def test_vllm_matches_transformers_greedy(
     assert vllm_result["token_ids"] == hf_outputs
 
 
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_vllm_matches_transformers_greedy_audio(audio_checkpoint: pathlib.Path, tmp_path: pathlib.Path) -> None:
+    result_file = tmp_path / "vllm.json"
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
+    run = subprocess.run(
+        [sys.executable, __file__, str(audio_checkpoint), str(result_file)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    vllm_result = json.loads(result_file.read_text())
+
+    hf_prompts, hf_outputs = hf_greedy_audio(audio_checkpoint, [synthetic_clip(seed) for seed in (0, 1)])
+    assert vllm_result["prompt_token_ids"] == hf_prompts
+    assert vllm_result["token_ids"] == hf_outputs
+
+
 def vllm_greedy(directory: str) -> dict[str, Any]:
     """Prompt ids and NEW_TOKENS greedy tokens per test image, from vLLM."""
     from transformers import AutoProcessor
     from vllm import LLM, SamplingParams
 
-    text = AutoProcessor.from_pretrained(directory).apply_chat_template(
-        MESSAGES, tokenize=False, add_generation_prompt=True
-    )
+    text = AutoProcessor.from_pretrained(directory).apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
     llm = LLM(
         model=directory,
         max_model_len=2048,
@@ -302,6 +434,23 @@ def vllm_greedy(directory: str) -> dict[str, Any]:
     }
 
 
+def vllm_greedy_audio(directory: str) -> dict[str, Any]:
+    """Prompt ids and NEW_TOKENS greedy tokens per test clip, from vLLM given the raw samples."""
+    from transformers import AutoProcessor
+    from vllm import LLM, SamplingParams
+
+    text = AutoProcessor.from_pretrained(directory).apply_chat_template(AUDIO_MESSAGES, tokenize=False, add_generation_prompt=True)
+    llm = LLM(model=directory, max_model_len=2048, enforce_eager=True, limit_mm_per_prompt={"audio": 1}, dtype="float32")
+    requests = [{"prompt": text, "multi_modal_data": {"audio": (synthetic_clip(seed), AUDIO_RATE)}} for seed in (0, 1)]
+    outputs = llm.generate(requests, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    return {
+        "prompt_token_ids": [list(out.prompt_token_ids) for out in outputs],
+        "token_ids": [list(out.outputs[0].token_ids) for out in outputs],
+    }
+
+
 if __name__ == "__main__":
     checkpoint_dir, result_path = sys.argv[1:3]
-    pathlib.Path(result_path).write_text(json.dumps(vllm_greedy(checkpoint_dir)))
+    model_type = json.loads((pathlib.Path(checkpoint_dir) / "config.json").read_text())["model_type"]
+    worker = vllm_greedy_audio if model_type in AUDIO_FAMILIES else vllm_greedy
+    pathlib.Path(result_path).write_text(json.dumps(worker(checkpoint_dir)))

@@ -125,3 +125,33 @@ async def test_video_on_qwen2_5_vl_is_unimplemented(family_stack):
         await generate(family_stack.gateway_stub("epd"), chat_request(_parts(_clip(6, 6.0, 1)), max_tokens=8), timeout=60)
     assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert "qwen2_5_vl" in info.value.details()
+
+
+@QWEN3
+async def test_encoder_batches_each_modality_across_requests_and_keeps_prompt_order(family_stack, family):
+    """Five concurrent requests (two images, two videos, one image + video) make one image batch
+    and one video batch; the mixed request's metadata stays in its prompt order."""
+    import asyncio
+
+    from epd.v1 import encoder_pb2, encoder_pb2_grpc
+    from tests.helpers import scrape
+
+    def image(seed):
+        return encoder_pb2.MediaItem(image=multimodal_pb2.Media(data=synthetic_image_png(112, 96, seed=seed), mime_type="image/png"))
+
+    def video(seed):
+        data, mime = _clip(8, 8.0, seed)
+        return encoder_pb2.MediaItem(video=multimodal_pb2.Video(file=multimodal_pb2.Media(data=data, mime_type=mime)))
+
+    requests = [[image(40)], [image(41)], [video(42)], [video(43)], [image(44), video(45)]]
+    args = ["encoder", "--model", family_stack.model, "--metrics-port", "0", "--batch-wait-ms", "1500"]
+    with family_stack.stack.temporary("encoder-batching", args) as encoder:
+        async with grpc.aio.insecure_channel(encoder.address) as channel:
+            stub = encoder_pb2_grpc.EncoderServiceStub(channel)
+            responses = await asyncio.gather(*(stub.Encode(encoder_pb2.EncodeRequest(items=items), timeout=60) for items in requests))
+            after = scrape(encoder.metrics_port)
+            await stub.ReleaseEmbeddings(encoder_pb2.ReleaseEmbeddingsRequest(lease_ids=[i.embedding.nixl.lease_id for r in responses for i in r.items]))
+    assert (after["epd_encoder_batch_items_count"], after["epd_encoder_batch_items_sum"]) == (2, 6)
+    mixed = responses[-1].items
+    assert [i.metadata.modality for i in mixed] == [multimodal_pb2.MODALITY_IMAGE, multimodal_pb2.MODALITY_VIDEO]
+    assert len(mixed[1].metadata.video_timestamps_s) == mixed[1].metadata.grid_thw.t

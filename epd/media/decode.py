@@ -26,17 +26,20 @@ class MediaDecoder:
     video_defaults: SamplingDefaults | None  # None: the checkpoint has no video processor
     audio_rate: int | None  # the audio feature extractor's rate; None: no audio
     audio_max_s: float  # min of the configured limit and the feature extractor's window
+    audio_min_samples: int  # fewer give no audio token at all
 
     @classmethod
     def for_model(cls, model_dir: str | pathlib.Path, limits: MediaLimits) -> MediaDecoder:
-        audio_rate, audio_max_s = None, limits.max_audio_s
+        audio_rate, audio_max_s, audio_min_samples = None, limits.max_audio_s, 0
         preprocessor = pathlib.Path(model_dir) / "preprocessor_config.json"
         config = json.loads(preprocessor.read_text()) if preprocessor.exists() else {}
         if "feature_size" in config:  # an audio feature extractor (Whisper's for Qwen2-Audio)
             audio_rate = int(config["sampling_rate"])
             # Longer clips would be cut silently by the feature extractor: refuse them instead.
             audio_max_s = min(audio_max_s, float(config.get("chunk_length", audio_max_s)))
-        return cls(limits, SamplingDefaults.from_model_dir(model_dir), audio_rate, audio_max_s)
+            # The tower halves the mel frames twice: under 3 frames leaves no token.
+            audio_min_samples = 2 * int(config["hop_length"]) + 1
+        return cls(limits, SamplingDefaults.from_model_dir(model_dir), audio_rate, audio_max_s, audio_min_samples)
 
     def decode_all(self, items: list[MediaInput], paths: list[str]) -> list[Any]:
         """Decodes every item, or raises one InvalidArgument naming every bad field.
@@ -76,12 +79,15 @@ class MediaDecoder:
         return self._decode_audio(item)
 
     def _decode_audio(self, item: MediaInput):
-        from epd.media.audio import decode_audio_file, decode_pcm
+        from epd.media.audio import SUPPORTED_SAMPLE_RATES, decode_audio_file, decode_pcm
 
         field = source_field(item)
         if self.audio_rate is None:
             raise MediaError("audio", "this checkpoint has no audio feature extractor")
         source = item.source
+        low, high = SUPPORTED_SAMPLE_RATES
+        if isinstance(source, PcmAudio) and not low <= source.sample_rate_hz <= high:
+            raise MediaError(f"{field}.sample_rate_hz", f"is {source.sample_rate_hz} Hz, outside the supported {low}-{high} Hz")
         try:
             if isinstance(source, PcmAudio):
                 audio = decode_pcm(source.data, source.sample_rate_hz, source.channels, source.encoding.value, self.audio_rate)
@@ -92,6 +98,8 @@ class MediaDecoder:
             raise MediaError(f"{field}.data", str(exc)) from exc
         if audio.duration_s > self.audio_max_s:
             raise MediaError(f"{field}.data", f"lasts {audio.duration_s:.2f} s, over the limit of {self.audio_max_s:g} s")
+        if len(audio.samples) < self.audio_min_samples:
+            raise MediaError(f"{field}.data", f"holds {len(audio.samples)} samples at {audio.sample_rate} Hz; this model needs at least {self.audio_min_samples}")
         return audio
 
 
