@@ -13,6 +13,7 @@ import sys
 
 DEFAULT_CHECKPOINT_ROOT = pathlib.Path("checkpoints")
 DEFAULT_FAMILY = "qwen2_5_vl"
+TINY_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen2_audio")  # what epd.checkpoints builds
 
 
 def _server_flags(p: argparse.ArgumentParser) -> None:
@@ -97,12 +98,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="build the tiny checkpoint if needed and run the whole stack on loopback")
     up.add_argument("--model", default=None, help="checkpoint directory (default: the tiny built-in one)")
-    up.add_argument("--family", default=DEFAULT_FAMILY, help="tiny checkpoint family when --model is not given")
+    up.add_argument("--family", default=DEFAULT_FAMILY, choices=TINY_FAMILIES, help="tiny checkpoint family when --model is not given")
     up.add_argument("--mode", choices=["epd", "epd-combined", "monolithic"], default="epd")
     up.add_argument("--encoders", type=int, default=1)
     up.add_argument("--prefills", type=int, default=1)
     up.add_argument("--decodes", type=int, default=1)
-    up.add_argument("--demo", action="store_true", help="send one image request, print the stream, then stop")
+    up.add_argument("--demo", action="store_true", help="send one request with media the model takes, print the stream, then stop")
 
     gen = sub.add_parser("generate", help="stream a reply from a gateway")
     gen.add_argument("prompt")
@@ -112,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
 
     ckpt = sub.add_parser("build-checkpoint", help="build a tiny random-weight checkpoint")
-    ckpt.add_argument("--family", default=DEFAULT_FAMILY)
+    ckpt.add_argument("--family", default=DEFAULT_FAMILY, choices=TINY_FAMILIES)
     ckpt.add_argument("--out", required=True)
     ckpt.add_argument("--seed", type=int, default=0)
     ckpt.add_argument("--vision-seed", type=int, default=None)

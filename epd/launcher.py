@@ -145,7 +145,7 @@ def start_monolithic(stack: Stack, model: str, *, extra=()) -> ServiceProcess:
 
 
 def up_cli(args) -> int:
-    """``epd up``: the whole stack on loopback; with --demo, one streamed image request."""
+    """``epd up``: the whole stack on loopback; with --demo, one streamed multimodal request."""
     import asyncio
 
     from epd.checkpoints import ensure_tiny_checkpoint
@@ -162,7 +162,7 @@ def up_cli(args) -> int:
         for service in stack.services:
             print(f"[epd up] {service.name:<20} {service.address}", flush=True)
         if args.demo:
-            return asyncio.run(_demo(gateway.address))
+            return asyncio.run(_demo(gateway.address, model))
         print(f"[epd up] ready: epd generate --gateway {gateway.address} --media cat.png 'Describe this'  (Ctrl-C stops)", flush=True)
         while all(s.process.poll() is None for s in stack.services):
             time.sleep(1)
@@ -173,11 +173,24 @@ def up_cli(args) -> int:
         stack.stop()
 
 
-async def _demo(address: str) -> int:
+async def _demo(address: str, model: str) -> int:
+    """One streamed request with media the model takes: an image, plus a clip for Qwen3-VL, or
+    a tone for Qwen2-Audio."""
     from epd.client import generate_cli
-    from epd.testing import synthetic_image_png
+    from epd.domain import Modality
+    from epd.models import load_family
+    from epd.testing import sine_wav, synthetic_image_png, synthetic_video
 
-    image = pathlib.Path(tempfile.mkdtemp()) / "demo.png"
-    image.write_bytes(synthetic_image_png(160, 120, seed=1))
-    print(f"[epd up] demo: Generate with {image} (160x120) streamed through {address}:", flush=True)
-    return await generate_cli(address, "Describe this image.", [image], max_tokens=24, temperature=0.0)
+    modalities = load_family(model).supported_modalities
+    folder = pathlib.Path(tempfile.mkdtemp())
+    files = []
+    if Modality.IMAGE in modalities:
+        files.append((folder / "demo.png", synthetic_image_png(160, 120, seed=1)))
+    if Modality.VIDEO in modalities:
+        files.append((folder / "demo.mp4", synthetic_video(96, 64, 24, fps=8.0, seed=2)))
+    if Modality.AUDIO in modalities:
+        files.append((folder / "demo.wav", sine_wav(1.5, seed=3)))
+    for path, data in files:
+        path.write_bytes(data)
+    print(f"[epd up] demo: Generate with {', '.join(str(p) for p, _ in files)} streamed through {address}:", flush=True)
+    return await generate_cli(address, "Describe what you see and hear.", [p for p, _ in files], max_tokens=24, temperature=0.0)

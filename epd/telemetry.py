@@ -27,7 +27,9 @@ TPOT_SECONDS = Histogram("epd_tpot_seconds", "Mean time per output token after t
 ITL_SECONDS = Histogram("epd_itl_seconds", "Inter-token latency between streamed deltas", buckets=_LATENCY_BUCKETS)
 E2EL_SECONDS = Histogram("epd_e2el_seconds", "End-to-end request latency, seen by the gateway", buckets=_LATENCY_BUCKETS)
 IN_FLIGHT = Gauge("epd_requests_in_flight", "Requests being served", ["service"])
-ENCODER_BATCH_ITEMS = Histogram("epd_encoder_batch_items", "Media items per encoder forward pass", buckets=(1, 2, 4, 8, 16, 32, 64))
+ENCODER_BATCH_ITEMS = Histogram(
+    "epd_encoder_batch_items", "Media items per encoder forward pass (one modality each)", ["modality"], buckets=(1, 2, 4, 8, 16, 32, 64)
+)
 ARENA_LEASES = Gauge("epd_arena_leases", "Live embedding leases in the encoder's NIXL arena")
 NIXL_READ_SECONDS = Histogram("epd_nixl_read_seconds", "Embedding fetch time over NIXL, per request", buckets=_LATENCY_BUCKETS)
 NIXL_READ_BYTES = Counter("epd_nixl_read_bytes_total", "Embedding bytes read over NIXL")

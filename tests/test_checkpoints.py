@@ -454,3 +454,10 @@ if __name__ == "__main__":
     model_type = json.loads((pathlib.Path(checkpoint_dir) / "config.json").read_text())["model_type"]
     worker = vllm_greedy_audio if model_type in AUDIO_FAMILIES else vllm_greedy
     pathlib.Path(result_path).write_text(json.dumps(worker(checkpoint_dir)))
+
+
+def test_cli_offers_every_family_the_builder_knows():
+    from epd.checkpoints import ALL_FAMILIES
+    from epd.cli import TINY_FAMILIES
+
+    assert TINY_FAMILIES == ALL_FAMILIES

@@ -155,3 +155,32 @@ async def test_encoder_batches_each_modality_across_requests_and_keeps_prompt_or
     mixed = responses[-1].items
     assert [i.metadata.modality for i in mixed] == [multimodal_pb2.MODALITY_IMAGE, multimodal_pb2.MODALITY_VIDEO]
     assert len(mixed[1].metadata.video_timestamps_s) == mixed[1].metadata.grid_thw.t
+
+
+@QWEN3
+async def test_byte_limits_per_item_and_per_request(family_stack, family):
+    """A gateway with small byte limits refuses an oversized item and an oversized request, with
+    the field named, before any stage works, and still serves a request within them."""
+    from epd.launcher import gateway_args
+    from tests.helpers import gateway_stub
+
+    small, other = synthetic_image_png(100, 80, seed=50), synthetic_image_png(100, 80, seed=51)
+    clip, mime = _clip(80, 10.0, 52)
+    assert len(small) < len(clip) - 1
+    limits = ["--max-item-bytes", str(len(clip) - 1), "--max-request-bytes", str(len(small) + len(other) - 1)]
+    s = family_stack
+    args = gateway_args(s.model, "epd", encoders=[s.encoder.address], prefills=[s.prefill.address], decodes=[s.decode.address], extra=limits)
+    with s.stack.temporary("gateway-small-limits", args) as gateway:
+        stub = gateway_stub(gateway.address)
+        cases = {
+            "messages[0].parts[0].video.file": [(clip, mime), "Hi"],
+            "messages": [(small, "image/png"), (other, "image/png"), "Hi"],
+        }
+        for field, parts in cases.items():
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await generate(stub, chat_request(parts, max_tokens=8), timeout=60)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and field in violations(info.value), info.value.details()
+        request = chat_request([(small, "image/png"), "Describe."], max_tokens=16, min_tokens=MIN_TOKENS)
+        result = await generate(stub, request, timeout=120)
+    oracle = await generate(s.gateway_stub("monolithic"), request, timeout=120)
+    assert result.token_ids == oracle.token_ids

@@ -16,6 +16,7 @@ from epd.errors import FieldViolation, InvalidArgument
 from epd.media import MediaError, MediaLimits, check_sizes_and_types, source_field
 from epd.media.image import decode_image
 from epd.media.video import DecodedVideo, SamplingDefaults, decode_video_file, decode_video_frames
+from epd.models import load_family
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,7 +24,7 @@ class MediaDecoder:
     """Decodes items for one checkpoint, within the limits."""
 
     limits: MediaLimits
-    video_defaults: SamplingDefaults | None  # None: the checkpoint has no video processor
+    video_defaults: SamplingDefaults | None  # None: EPD serves no video for this checkpoint
     audio_rate: int | None  # the audio feature extractor's rate; None: no audio
     audio_max_s: float  # min of the configured limit and the feature extractor's window
     audio_min_samples: int  # fewer give no audio token at all
@@ -39,7 +40,9 @@ class MediaDecoder:
             audio_max_s = min(audio_max_s, float(config.get("chunk_length", audio_max_s)))
             # The tower halves the mel frames twice: under 3 frames leaves no token.
             audio_min_samples = 2 * int(config["hop_length"]) + 1
-        return cls(limits, SamplingDefaults.from_model_dir(model_dir), audio_rate, audio_max_s, audio_min_samples)
+        serves_video = Modality.VIDEO in load_family(model_dir).supported_modalities
+        video_defaults = SamplingDefaults.from_model_dir(model_dir) if serves_video else None
+        return cls(limits, video_defaults, audio_rate, audio_max_s, audio_min_samples)
 
     def decode_all(self, items: list[MediaInput], paths: list[str]) -> list[Any]:
         """Decodes every item, or raises one InvalidArgument naming every bad field.
@@ -72,7 +75,7 @@ class MediaDecoder:
             return decode_image(source.data, max_pixels=self.limits.max_image_pixels)
         if item.modality is Modality.VIDEO:
             if self.video_defaults is None:
-                raise MediaError("video", "this checkpoint has no video processor")
+                raise MediaError("video", "video input is not served for this checkpoint")
             if isinstance(source, VideoFrames):
                 return decode_video_frames(source, item.video_sampling, self.video_defaults, self.limits)
             return decode_video_file(source.data, item.video_sampling, self.video_defaults, self.limits)

@@ -39,7 +39,7 @@ class SamplingDefaults:
 
     @classmethod
     def from_model_dir(cls, model_dir: str | pathlib.Path) -> SamplingDefaults | None:
-        """None when the checkpoint has no video processor."""
+        """None when the checkpoint has no video processor. Reads Qwen3-VL's sampling keys."""
         path = pathlib.Path(model_dir) / "video_preprocessor_config.json"
         if not path.exists():
             return None
