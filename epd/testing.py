@@ -9,8 +9,8 @@ import wave
 import numpy as np
 
 
-def synthetic_image_png(width: int, height: int, *, seed: int) -> bytes:
-    """A PNG with smooth gradients plus seeded noise, so different seeds encode differently."""
+def synthetic_image(width: int, height: int, *, seed: int, image_format: str = "PNG") -> bytes:
+    """An image with smooth gradients plus seeded noise, so different seeds encode differently."""
     from PIL import Image
 
     rng = np.random.default_rng(seed)
@@ -19,8 +19,12 @@ def synthetic_image_png(width: int, height: int, *, seed: int) -> bytes:
     noise = rng.integers(0, 64, size=(height, width, 3))
     pixels = ((base + noise) % 256).astype("uint8")
     buffer = io.BytesIO()
-    Image.fromarray(pixels, "RGB").save(buffer, format="PNG")
+    Image.fromarray(pixels, "RGB").save(buffer, format=image_format)
     return buffer.getvalue()
+
+
+def synthetic_image_png(width: int, height: int, *, seed: int) -> bytes:
+    return synthetic_image(width, height, seed=seed)
 
 
 # OpenCV's wheel ships FFmpeg decoders for H.264 but no H.264 encoder, so generated clips use

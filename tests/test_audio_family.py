@@ -89,8 +89,8 @@ def test_family_reads_the_config(model: pathlib.Path, encoder: AudioEncoder) -> 
     assert family.placeholder_token_ids == frozenset({family.audio_token_id})
     assert family.supported_modalities == frozenset({Modality.AUDIO})
     assert family.embedding_width == 128
-    assert family.max_audio_seconds == encoder.max_seconds == 30.0
-    assert encoder.sampling_rate == RATE
+    assert family.max_audio_seconds == encoder.processors.max_seconds == 30.0
+    assert encoder.processors.sampling_rate == RATE
     with pytest.raises(ValueError, match="qwen2_audio"):
         Qwen2AudioFamily.from_config({"model_type": "qwen2_5_vl"})
     # The released Qwen2-Audio-7B-Instruct config.json leaves the sizes at their defaults.
@@ -220,9 +220,9 @@ def test_batching_does_not_change_embeddings(encoder: AudioEncoder) -> None:
 
 
 def test_encoder_refuses_what_it_cannot_represent(encoder: AudioEncoder) -> None:
-    assert len(encoder.encode_clips([np.zeros(encoder.min_samples, np.float32)])[0].embedding) == 1
+    assert len(encoder.encode_clips([np.zeros(encoder.processors.min_samples, np.float32)])[0].embedding) == 1
     with pytest.raises(ValueError, match="at least 321 give an audio token"):
-        encoder.encode_clips([np.zeros(encoder.min_samples - 1, np.float32)])
+        encoder.encode_clips([np.zeros(encoder.processors.min_samples - 1, np.float32)])
     with pytest.raises(ValueError, match="8000 Hz"):
         encoder.encode(Modality.AUDIO, [DecodedAudio(np.zeros(8000, np.float32), 8000)])
     with pytest.raises(ValueError, match="audio only"):

@@ -24,7 +24,7 @@ class ExpandedPrompt:
 class Encoding:
     """One media item after its tower: the embedding, and the structure the tower saw."""
 
-    embedding: torch.Tensor  # [rows, width]
+    embedding: torch.Tensor | None  # [rows, width]; None where only the layout was derived
     grid_thw: Any = None  # GridThw for images and videos
     video_timestamps_s: tuple[float, ...] = ()
     audio_feature_length: int = 0

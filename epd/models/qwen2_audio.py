@@ -212,63 +212,25 @@ class Qwen2AudioFamily:
         return prompt
 
 
-class AudioEncoder:
-    """Runs one Qwen2-Audio checkpoint's feature extractor, audio tower and projector, and
-    nothing else. Only those tensors are read from disk (see :mod:`epd.weights`).
+class AudioProcessors:
+    """The checkpoint's feature extractor: mel features and layout, no weights. The encoder runs
+    it before its tower; the media-forwarding baseline runs it again downstream."""
 
-    The computation is vLLM's own for raw audio, so the embeddings it hands over equal the
-    ones a monolithic engine computes internally: every clip padded to the 30 s window with a
-    mask of its valid frames, the padded conv frames masked out of attention with ``-inf``, and
-    only the valid rows kept.
-    """
+    def __init__(self, model_dir: str | pathlib.Path, family: Qwen2AudioFamily):
+        from transformers import WhisperFeatureExtractor
 
-    def __init__(self, model_dir: str | pathlib.Path, *, dtype: str = "float32"):
-        import torch
-        from transformers import AutoConfig, WhisperFeatureExtractor
-        from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncoder, Qwen2AudioMultiModalProjector
-
-        from epd.weights import load_tensors
-
-        self.model_dir = pathlib.Path(model_dir)
-        config = AutoConfig.from_pretrained(self.model_dir)
-        self.family = Qwen2AudioFamily.from_config(config.to_dict())
-        self.dtype = getattr(torch, dtype)
-        self.feature_extractor = WhisperFeatureExtractor.from_pretrained(self.model_dir)
+        self.family = family
+        self.feature_extractor = WhisperFeatureExtractor.from_pretrained(model_dir)
         self.sampling_rate: int = self.feature_extractor.sampling_rate
         self.max_seconds: float = self.feature_extractor.n_samples / self.sampling_rate
-        # The same classes vLLM instantiates, so the same attention kernel runs.
-        self.tower = Qwen2AudioEncoder(config.audio_config).to(self.dtype).eval()
-        self.projector = Qwen2AudioMultiModalProjector(config).to(self.dtype).eval()
-        state, self.load_report = load_tensors(self.model_dir, _AUDIO_PREFIXES)
-        # load_tensors strips either prefix; the projector's names ("linear.*") are its own.
-        projector_state = {name: state.pop(name) for name in self.projector.state_dict() if name in state}
-        for module, part, weights in ((self.tower, "audio tower", state), (self.projector, "projector", projector_state)):
-            missing, unexpected = module.load_state_dict(weights, strict=False)
-            if missing or unexpected:
-                raise ValueError(f"{part} weights do not fit: missing={missing[:5]} unexpected={unexpected[:5]}")
 
     @property
     def min_samples(self) -> int:
         """Fewest samples that give at least one audio token (3 mel frames: 321 at 16 kHz)."""
         return 2 * self.feature_extractor.hop_length + 1
 
-    def encode(self, modality: Modality, clips: Sequence[DecodedAudio]) -> list[Encoding]:
-        """Runs the feature extractor and the tower over a batch of decoded clips, in order.
-
-        Raises:
-            ValueError: an item is not audio, not at the feature extractor's rate, or too
-                short for one token.
-        """
-        if modality is not Modality.AUDIO:
-            raise ValueError(f"{self.family.model_type} encodes audio only, not {modality.value}")
-        for index, clip in enumerate(clips):
-            if clip.sample_rate != self.sampling_rate:
-                raise ValueError(f"clip {index} is at {clip.sample_rate} Hz; the feature extractor needs {self.sampling_rate} Hz")
-        return self.encode_clips([clip.samples for clip in clips])
-
-    def encode_clips(self, clips: Sequence[np.ndarray]) -> list[Encoding]:
-        """Runs the feature extractor and the tower over mono float32 clips at
-        :attr:`sampling_rate`; one :class:`Encoding` per clip, in order.
+    def features(self, clips: Sequence[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """(mel features [k, mels, 3000], valid frames per clip, audio tokens per clip).
 
         Clips longer than :attr:`max_seconds` are cut to it, as the feature extractor (and so
         vLLM) does; callers that must not lose audio refuse them first.
@@ -276,8 +238,6 @@ class AudioEncoder:
         Raises:
             ValueError: a clip is shorter than :attr:`min_samples`.
         """
-        import torch
-
         for index, clip in enumerate(clips):
             if len(clip) < self.min_samples:
                 raise ValueError(f"clip {index} has {len(clip)} samples; at least {self.min_samples} give an audio token")
@@ -292,9 +252,78 @@ class AudioEncoder:
             return_tensors="pt",
         )
         feature_lengths = features["attention_mask"].sum(-1)
-        conv_lengths = (feature_lengths - 1) // 2 + 1
         token_counts = [self.family.audio_token_count(int(length)) for length in feature_lengths]
-        mel = features["input_features"].to(self.dtype)
+        return features["input_features"], feature_lengths, token_counts
+
+    def checked_samples(self, modality: Modality, clips: Sequence[DecodedAudio]) -> list[np.ndarray]:
+        """The samples of decoded clips, checked to be audio at the extractor's rate.
+
+        Raises:
+            ValueError: an item is not audio, or not at the feature extractor's rate.
+        """
+        if modality is not Modality.AUDIO:
+            raise ValueError(f"{self.family.model_type} encodes audio only, not {modality.value}")
+        for index, clip in enumerate(clips):
+            if clip.sample_rate != self.sampling_rate:
+                raise ValueError(f"clip {index} is at {clip.sample_rate} Hz; the feature extractor needs {self.sampling_rate} Hz")
+        return [clip.samples for clip in clips]
+
+    def layout(self, modality: Modality, clips: Sequence[DecodedAudio]) -> list[Encoding]:
+        """What the feature extractor says about each clip's place in the prompt."""
+        _, lengths, counts = self.features(self.checked_samples(modality, clips))
+        return [Encoding(None, audio_feature_length=int(length), audio_token_count=count) for length, count in zip(lengths, counts, strict=True)]
+
+
+class AudioEncoder:
+    """Runs one Qwen2-Audio checkpoint's feature extractor, audio tower and projector, and
+    nothing else. Only those tensors are read from disk (see :mod:`epd.weights`).
+
+    The computation is vLLM's own for raw audio, so the embeddings it hands over equal the
+    ones a monolithic engine computes internally: every clip padded to the 30 s window with a
+    mask of its valid frames, the padded conv frames masked out of attention with ``-inf``, and
+    only the valid rows kept.
+    """
+
+    def __init__(self, model_dir: str | pathlib.Path, *, dtype: str = "float32"):
+        import torch
+        from transformers import AutoConfig
+        from transformers.models.qwen2_audio.modeling_qwen2_audio import Qwen2AudioEncoder, Qwen2AudioMultiModalProjector
+
+        from epd.weights import load_tensors
+
+        self.model_dir = pathlib.Path(model_dir)
+        config = AutoConfig.from_pretrained(self.model_dir)
+        self.family = Qwen2AudioFamily.from_config(config.to_dict())
+        self.processors = AudioProcessors(self.model_dir, self.family)
+        self.dtype = getattr(torch, dtype)
+        # The same classes vLLM instantiates, so the same attention kernel runs.
+        self.tower = Qwen2AudioEncoder(config.audio_config).to(self.dtype).eval()
+        self.projector = Qwen2AudioMultiModalProjector(config).to(self.dtype).eval()
+        state, self.load_report = load_tensors(self.model_dir, _AUDIO_PREFIXES)
+        # load_tensors strips either prefix; the projector's names ("linear.*") are its own.
+        projector_state = {name: state.pop(name) for name in self.projector.state_dict() if name in state}
+        for module, part, weights in ((self.tower, "audio tower", state), (self.projector, "projector", projector_state)):
+            missing, unexpected = module.load_state_dict(weights, strict=False)
+            if missing or unexpected:
+                raise ValueError(f"{part} weights do not fit: missing={missing[:5]} unexpected={unexpected[:5]}")
+
+    def encode(self, modality: Modality, clips: Sequence[DecodedAudio]) -> list[Encoding]:
+        """Runs the feature extractor and the tower over a batch of decoded clips, in order.
+
+        Raises:
+            ValueError: an item is not audio, not at the feature extractor's rate, or too
+                short for one token.
+        """
+        return self.encode_clips(self.processors.checked_samples(modality, clips))
+
+    def encode_clips(self, clips: Sequence[np.ndarray]) -> list[Encoding]:
+        """Runs the feature extractor and the tower over mono float32 clips at the extractor's
+        rate; one :class:`Encoding` per clip, in order (see :meth:`AudioProcessors.features`)."""
+        import torch
+
+        mel, feature_lengths, token_counts = self.processors.features(clips)
+        mel = mel.to(self.dtype)
+        conv_lengths = (feature_lengths - 1) // 2 + 1
         conv_frames = (mel.shape[-1] - 2) // 2 + 1
         # Additive mask over keys: 0 for a clip's valid conv frames, -inf for its padding.
         padded = torch.arange(conv_frames)[None, :] >= conv_lengths[:, None]

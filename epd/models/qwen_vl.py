@@ -227,34 +227,21 @@ class QwenVLFamily:
         return prompt
 
 
-class VisionEncoder:
-    """Runs one Qwen-VL checkpoint's image and video processors and its vision tower, and
-    nothing else. Only the vision tower's tensors are read from disk (see :mod:`epd.weights`).
-    """
+class VisionProcessors:
+    """The checkpoint's image and video processors: pixels and layout, no weights. The encoder
+    runs them before its tower; the media-forwarding baseline runs them again downstream."""
 
-    def __init__(self, model_dir: str | pathlib.Path, *, dtype: str = "float32"):
-        import torch
-        from transformers import AutoConfig, AutoImageProcessor, AutoVideoProcessor
+    def __init__(self, model_dir: str | pathlib.Path, family: QwenVLFamily):
+        from transformers import AutoImageProcessor, AutoVideoProcessor
 
-        from epd.weights import load_tensors
+        self.image_processor = AutoImageProcessor.from_pretrained(model_dir)
+        self.video_processor = AutoVideoProcessor.from_pretrained(model_dir) if Modality.VIDEO in family.supported_modalities else None
 
-        self.model_dir = pathlib.Path(model_dir)
-        config = AutoConfig.from_pretrained(self.model_dir)
-        self.family = QwenVLFamily.from_config(config.to_dict(), self.model_dir)
-        self.dtype = getattr(torch, dtype)
-        self.image_processor = AutoImageProcessor.from_pretrained(self.model_dir)
-        self.video_processor = AutoVideoProcessor.from_pretrained(self.model_dir) if Modality.VIDEO in self.family.supported_modalities else None
-        self.tower = _build_tower(config).to(self.dtype)
-        state, self.load_report = load_tensors(self.model_dir, _VISION_PREFIXES)
-        missing, unexpected = self.tower.load_state_dict(state, strict=False)
-        if missing or unexpected:
-            raise ValueError(f"vision weights do not fit the tower: missing={missing[:5]} unexpected={unexpected[:5]}")
-        self.tower.eval()
-
-    def encode(self, modality: Modality, items: Sequence[Image.Image] | Sequence[DecodedVideo]) -> list[Encoding]:
-        """Runs the processor and the tower over a batch of one modality, in order."""
+    def preprocess(self, modality: Modality, items: Sequence[Image.Image] | Sequence[DecodedVideo]) -> tuple[torch.Tensor, torch.Tensor, list[tuple[float, ...]]]:
+        """(pixel values, grids [k, 3], per-item video timestamps (empty for images))."""
         if modality is Modality.IMAGE:
-            return [Encoding(embedding, grid) for grid, embedding in self.encode_images(items)]
+            processed = self.image_processor(images=list(items), return_tensors="pt")
+            return processed["pixel_values"], processed["image_grid_thw"], [()] * len(items)
         from transformers.video_utils import VideoMetadata
 
         videos = list(items)
@@ -264,17 +251,48 @@ class VisionEncoder:
             do_sample_frames=False,  # the decoder sampled already; see epd.media.video
             return_tensors="pt",
         )
-        outputs = self._run_tower(processed["pixel_values_videos"], processed["video_grid_thw"])
-        temporal = self.video_processor.temporal_patch_size
-        return [
-            Encoding(embedding, grid, video_timestamps_s=video.group_timestamps(temporal))
-            for video, (grid, embedding) in zip(videos, outputs, strict=True)
-        ]
+        timestamps = [v.group_timestamps(self.video_processor.temporal_patch_size) for v in videos]
+        return processed["pixel_values_videos"], processed["video_grid_thw"], timestamps
+
+    def layout(self, modality: Modality, items: Sequence[Image.Image] | Sequence[DecodedVideo]) -> list[Encoding]:
+        """What the processor says about each item's place in the prompt (no embeddings)."""
+        _, grids, timestamps = self.preprocess(modality, items)
+        return [Encoding(None, _grid(grid), video_timestamps_s=ts) for grid, ts in zip(grids, timestamps, strict=True)]
+
+
+class VisionEncoder:
+    """Runs one Qwen-VL checkpoint's processors and its vision tower, and nothing else. Only
+    the vision tower's tensors are read from disk (see :mod:`epd.weights`).
+    """
+
+    def __init__(self, model_dir: str | pathlib.Path, *, dtype: str = "float32"):
+        import torch
+        from transformers import AutoConfig
+
+        from epd.weights import load_tensors
+
+        self.model_dir = pathlib.Path(model_dir)
+        config = AutoConfig.from_pretrained(self.model_dir)
+        self.family = QwenVLFamily.from_config(config.to_dict(), self.model_dir)
+        self.processors = VisionProcessors(self.model_dir, self.family)
+        self.dtype = getattr(torch, dtype)
+        self.tower = _build_tower(config).to(self.dtype)
+        state, self.load_report = load_tensors(self.model_dir, _VISION_PREFIXES)
+        missing, unexpected = self.tower.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ValueError(f"vision weights do not fit the tower: missing={missing[:5]} unexpected={unexpected[:5]}")
+        self.tower.eval()
+
+    def encode(self, modality: Modality, items: Sequence[Image.Image] | Sequence[DecodedVideo]) -> list[Encoding]:
+        """Runs the processor and the tower over a batch of one modality, in order."""
+        pixel_values, grids, timestamps = self.processors.preprocess(modality, items)
+        outputs = self._run_tower(pixel_values, grids)
+        return [Encoding(embedding, grid, video_timestamps_s=ts) for (grid, embedding), ts in zip(outputs, timestamps, strict=True)]
 
     def encode_images(self, images: Sequence[Image.Image]) -> list[tuple[GridThw, torch.Tensor]]:
         """Runs the processor and the tower over a batch; returns (grid, embedding) per image."""
-        processed = self.image_processor(images=list(images), return_tensors="pt")
-        return self._run_tower(processed["pixel_values"], processed["image_grid_thw"])
+        pixel_values, grids, _ = self.processors.preprocess(Modality.IMAGE, images)
+        return self._run_tower(pixel_values, grids)
 
     def _run_tower(self, pixel_values: torch.Tensor, grids: torch.Tensor) -> list[tuple[GridThw, torch.Tensor]]:
         import torch
@@ -284,10 +302,11 @@ class VisionEncoder:
             features = [output.pooler_output, *(getattr(output, "deepstack_features", None) or [])]
             merged = torch.cat(features, dim=-1)
         sizes = (grids.prod(-1) // self.family.spatial_merge_size**2).tolist()
-        return [
-            (GridThw(*(int(v) for v in grid.tolist())), emb.contiguous())
-            for grid, emb in zip(grids, torch.split(merged, sizes), strict=True)
-        ]
+        return [(_grid(grid), emb.contiguous()) for grid, emb in zip(grids, torch.split(merged, sizes), strict=True)]
+
+
+def _grid(row: torch.Tensor) -> GridThw:
+    return GridThw(*(int(v) for v in row.tolist()))
 
 
 def _build_tower(config: Any) -> torch.nn.Module:

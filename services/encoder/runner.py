@@ -170,7 +170,7 @@ class EncoderRunner:
             self._arrived.clear()
 
     async def _run_batch(self, modality: Modality, batch: list[_Pending]) -> None:
-        telemetry.ENCODER_BATCH_ITEMS.observe(len(batch))
+        telemetry.ENCODER_BATCH_ITEMS.labels(modality=modality.value).observe(len(batch))
         started = time.perf_counter()
         try:
             outputs = await asyncio.to_thread(self.tower.encode, modality, [p.decoded for p in batch])
@@ -180,7 +180,7 @@ class EncoderRunner:
                 if not p.future.done():
                     p.future.set_exception(exc)
             return
-        telemetry.STAGE_SECONDS.labels(stage="encoder_forward").observe(time.perf_counter() - started)
+        telemetry.STAGE_SECONDS.labels(stage=f"encoder_forward_{modality.value}").observe(time.perf_counter() - started)
         for p, output in zip(batch, outputs, strict=True):
             if not p.future.done():
                 p.future.set_result(output)
