@@ -25,6 +25,11 @@ Every tensor is drawn from a generator seeded by ``(seed, tensor name)``; tower 
 ``vision_seed`` instead (the name is kept for the audio tower too), so checkpoints that differ
 only in ``vision_seed`` share byte-identical language-model shards and tokenizer.
 
+``scale="bench"`` builds the same tokenizer and tower around a much wider and deeper language
+model (about 0.9 GB of float32 in 16 shards, one decoder layer per shard after the tower's),
+so that encoder-only loading can be compared with loading the whole checkpoint at a ratio
+like a real one's (vLLM read 2 of Qwen2.5-VL-72B's 96 shards for the vision tower alone).
+
 Heavy imports (torch, transformers, tokenizers) happen inside the functions that need them,
 so importing this module stays cheap for the CLI.
 """
@@ -54,14 +59,9 @@ FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "qwen3_vl")
 AUDIO_FAMILIES: tuple[str, ...] = ("qwen2_audio",)
 ALL_FAMILIES: tuple[str, ...] = FAMILIES + AUDIO_FAMILIES
 
-# Language-model and vision-tower sizes shared by both families. head_dim is 128 / 2 = 64,
-# and the M-RoPE sections (temporal, height, width) must add up to head_dim / 2.
-_TEXT_HIDDEN = 128
-_TEXT_INTERMEDIATE = 256
-_TEXT_LAYERS = 2
-_TEXT_HEADS = 2
-_TEXT_KV_HEADS = 1
-_HEAD_DIM = _TEXT_HIDDEN // _TEXT_HEADS
+# Language-model sizes are per scale (see _SCALES); vision-tower sizes are shared by every
+# scale and both families. Every scale keeps head_dim at 64, because the M-RoPE sections
+# (temporal, height, width) must add up to head_dim / 2.
 _MROPE_SECTION = [8, 12, 12]
 _MAX_POSITIONS = 32768
 _VISION_DEPTH = 2
@@ -292,7 +292,40 @@ _FAMILY_SPECS: dict[str, _Family | _AudioFamily] = {
     ),
 }
 
-_NUM_SHARDS = 3
+
+@dataclass(frozen=True)
+class _Scale:
+    """Language-model size and sharding of one checkpoint scale (the tower is the same in all).
+
+    Attributes:
+        text_hidden: hidden size; also the tower's output width.
+        text_intermediate: MLP width.
+        text_layers: decoder layers.
+        text_heads: attention heads (head_dim = text_hidden / text_heads).
+        text_kv_heads: key/value heads.
+        num_shards: weight files: the tower's, then the language model's split by layer.
+    """
+
+    text_hidden: int
+    text_intermediate: int
+    text_layers: int
+    text_heads: int
+    text_kv_heads: int
+    num_shards: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.text_hidden // self.text_heads
+
+
+_SCALES: dict[str, _Scale] = {
+    # About 0.7M parameters, 3 MB: what tests and the demo run on.
+    "tiny": _Scale(text_hidden=128, text_intermediate=256, text_layers=2, text_heads=2, text_kv_heads=1, num_shards=3),
+    # About 15M parameters (60 MB) per decoder layer, 15 layers: 0.9 GB in 16 shards, built in
+    # seconds. Only for loading benchmarks: too slow to serve on CPU in tests.
+    "bench": _Scale(text_hidden=1024, text_intermediate=4096, text_layers=15, text_heads=16, text_kv_heads=2, num_shards=16),
+}
+SCALES: tuple[str, ...] = tuple(_SCALES)
 _TOWER_SHARD = 1
 _INDEX_FILE = "model.safetensors.index.json"
 # Files besides the weight shards that every complete checkpoint has; vision families also
@@ -328,6 +361,7 @@ def build_tiny_checkpoint(
     *,
     seed: int = 0,
     vision_seed: int | None = None,
+    scale: str = "tiny",
 ) -> pathlib.Path:
     """Builds (or overwrites) a tiny random-weight checkpoint in ``out_dir``.
 
@@ -340,23 +374,27 @@ def build_tiny_checkpoint(
             its projector); defaults to ``seed``. Two checkpoints with the same ``seed`` and
             different ``vision_seed`` have byte-identical tokenizer, configs and
             language-model shards.
+        scale: one of :data:`SCALES`: the language model's size and shard count. ``"bench"``
+            keeps the tower and tokenizer but writes about 0.9 GB of language model.
 
     Returns:
         The checkpoint directory.
 
     Raises:
-        ValueError: ``family`` is not one of :data:`ALL_FAMILIES`.
+        ValueError: ``family`` is not one of :data:`ALL_FAMILIES`, or ``scale`` not one of
+            :data:`SCALES`.
     """
     spec = _family_spec(family)
+    sizes = _scale(scale)
     out = pathlib.Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = _build_tokenizer(spec)
     token_ids = {content: tokenizer.token_to_id(content) for content, _ in spec.added_tokens}
     _write_tokenizer_files(out, tokenizer, spec)
     if isinstance(spec, _AudioFamily):
-        config = _build_audio_config(spec, vocab_size=tokenizer.get_vocab_size(), token_ids=token_ids)
+        config = _build_audio_config(spec, sizes, vocab_size=tokenizer.get_vocab_size(), token_ids=token_ids)
     else:
-        config = _build_config(family, spec, vocab_size=tokenizer.get_vocab_size(), token_ids=token_ids)
+        config = _build_config(family, spec, sizes, vocab_size=tokenizer.get_vocab_size(), token_ids=token_ids)
     config.to_json_file(out / "config.json", use_diff=True)
     _write_json(
         out / "generation_config.json",
@@ -370,7 +408,7 @@ def build_tiny_checkpoint(
         _write_audio_processor_configs(out, spec)
     else:
         _write_processor_configs(out, spec)
-    _write_sharded_weights(out, config, seed=seed, vision_seed=seed if vision_seed is None else vision_seed)
+    _write_sharded_weights(out, config, sizes.num_shards, seed=seed, vision_seed=seed if vision_seed is None else vision_seed)
     return out
 
 
@@ -380,11 +418,13 @@ def ensure_tiny_checkpoint(
     *,
     seed: int = 0,
     vision_seed: int | None = None,
+    scale: str = "tiny",
 ) -> pathlib.Path:
     """Returns a complete checkpoint under ``root``, building it first if needed.
 
-    The directory is ``root/<family>-s<seed>``, with ``-v<vision_seed>`` appended when
-    ``vision_seed`` is given and differs from ``seed`` (otherwise the weights are the same).
+    The directory is ``root/<family>-s<seed>`` (``root/<family>-<scale>-s<seed>`` for a scale
+    other than ``"tiny"``), with ``-v<vision_seed>`` appended when ``vision_seed`` is given and
+    differs from ``seed`` (otherwise the weights are the same).
     A missing or incomplete directory is rebuilt in a temporary sibling that is then renamed
     into place, so concurrent or aborted builds never expose a half-written checkpoint.
 
@@ -393,16 +433,19 @@ def ensure_tiny_checkpoint(
         root: parent directory of the checkpoints; created if missing.
         seed: see :func:`build_tiny_checkpoint`.
         vision_seed: see :func:`build_tiny_checkpoint`.
+        scale: see :func:`build_tiny_checkpoint`.
 
     Returns:
         The checkpoint directory.
 
     Raises:
-        ValueError: ``family`` is not one of :data:`ALL_FAMILIES`.
+        ValueError: ``family`` is not one of :data:`ALL_FAMILIES`, or ``scale`` not one of
+            :data:`SCALES`.
     """
     spec = _family_spec(family)
+    _scale(scale)  # fail before touching the disk
     root_path = pathlib.Path(root)
-    name = f"{family}-s{seed}"
+    name = f"{family}-s{seed}" if scale == "tiny" else f"{family}-{scale}-s{seed}"
     if vision_seed is not None and vision_seed != seed:
         name += f"-v{vision_seed}"
     target = root_path / name
@@ -412,7 +455,7 @@ def ensure_tiny_checkpoint(
     staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{name}.", dir=root_path))
     staging.chmod(0o755)  # mkdtemp makes it owner-only; the checkpoint is meant to be shared
     try:
-        build_tiny_checkpoint(family, staging, seed=seed, vision_seed=vision_seed)
+        build_tiny_checkpoint(family, staging, seed=seed, vision_seed=vision_seed, scale=scale)
         if target.exists() and not _is_complete(target, spec):
             # Left behind by an aborted non-atomic writer; move it aside so the rename below
             # can land. A concurrent builder may have moved it already, hence the suppress.
@@ -437,6 +480,14 @@ def _family_spec(family: str) -> _Family | _AudioFamily:
         return _FAMILY_SPECS[family]
     except KeyError:
         raise ValueError(f"unknown family {family!r}; expected one of {ALL_FAMILIES}") from None
+
+
+def _scale(scale: str) -> _Scale:
+    """The sizes of ``scale``; raises ValueError for an unknown one."""
+    try:
+        return _SCALES[scale]
+    except KeyError:
+        raise ValueError(f"unknown scale {scale!r}; expected one of {SCALES}") from None
 
 
 def _is_complete(path: pathlib.Path, spec: _Family | _AudioFamily) -> bool:
@@ -526,17 +577,17 @@ def _write_tokenizer_files(out: pathlib.Path, tokenizer: tokenizers.Tokenizer, s
     _write_text(out / "chat_template.jinja", spec.chat_template)
 
 
-def _build_config(family: str, spec: _Family, *, vocab_size: int, token_ids: Mapping[str, int]) -> PreTrainedConfig:
+def _build_config(family: str, spec: _Family, sizes: _Scale, *, vocab_size: int, token_ids: Mapping[str, int]) -> PreTrainedConfig:
     """Builds the transformers model config (``Qwen2_5_VLConfig`` or ``Qwen3VLConfig``)."""
     import transformers
 
     text_config: dict[str, Any] = {
         "vocab_size": vocab_size,
-        "hidden_size": _TEXT_HIDDEN,
-        "intermediate_size": _TEXT_INTERMEDIATE,
-        "num_hidden_layers": _TEXT_LAYERS,
-        "num_attention_heads": _TEXT_HEADS,
-        "num_key_value_heads": _TEXT_KV_HEADS,
+        "hidden_size": sizes.text_hidden,
+        "intermediate_size": sizes.text_intermediate,
+        "num_hidden_layers": sizes.text_layers,
+        "num_attention_heads": sizes.text_heads,
+        "num_key_value_heads": sizes.text_kv_heads,
         "max_position_embeddings": _MAX_POSITIONS,
         "rms_norm_eps": 1e-6,
         "initializer_range": _TEXT_INIT_STD,
@@ -549,7 +600,7 @@ def _build_config(family: str, spec: _Family, *, vocab_size: int, token_ids: Map
         "hidden_size": _VISION_HIDDEN,
         "intermediate_size": _VISION_INTERMEDIATE,
         "num_heads": _VISION_HEADS,
-        "out_hidden_size": _TEXT_HIDDEN,
+        "out_hidden_size": sizes.text_hidden,
         "patch_size": spec.patch_size,
         "spatial_merge_size": _SPATIAL_MERGE,
         "temporal_patch_size": _TEMPORAL_PATCH,
@@ -570,7 +621,7 @@ def _build_config(family: str, spec: _Family, *, vocab_size: int, token_ids: Map
         }
     else:
         config_class = transformers.Qwen3VLConfig
-        text_config |= {"head_dim": _HEAD_DIM}
+        text_config |= {"head_dim": sizes.head_dim}
         text_config["rope_parameters"] |= {"mrope_interleaved": True}
         # A 24 x 24 learned position grid (interpolated to the image); deepstack taps the
         # first block so its features differ from the final merger output.
@@ -588,17 +639,17 @@ def _build_config(family: str, spec: _Family, *, vocab_size: int, token_ids: Map
     )
 
 
-def _build_audio_config(spec: _AudioFamily, *, vocab_size: int, token_ids: Mapping[str, int]) -> PreTrainedConfig:
+def _build_audio_config(spec: _AudioFamily, sizes: _Scale, *, vocab_size: int, token_ids: Mapping[str, int]) -> PreTrainedConfig:
     """Builds the transformers ``Qwen2AudioConfig``: a narrow Whisper-style tower, a Qwen2 LM."""
     import transformers
 
     text_config: dict[str, Any] = {
         "vocab_size": vocab_size,
-        "hidden_size": _TEXT_HIDDEN,
-        "intermediate_size": _TEXT_INTERMEDIATE,
-        "num_hidden_layers": _TEXT_LAYERS,
-        "num_attention_heads": _TEXT_HEADS,
-        "num_key_value_heads": _TEXT_KV_HEADS,
+        "hidden_size": sizes.text_hidden,
+        "intermediate_size": sizes.text_intermediate,
+        "num_hidden_layers": sizes.text_layers,
+        "num_attention_heads": sizes.text_heads,
+        "num_key_value_heads": sizes.text_kv_heads,
         "max_position_embeddings": _MAX_POSITIONS,
         "rms_norm_eps": 1e-6,
         "initializer_range": _TEXT_INIT_STD,
@@ -687,7 +738,7 @@ def _write_audio_processor_configs(out: pathlib.Path, spec: _AudioFamily) -> Non
     _write_json(out / "processor_config.json", {"processor_class": spec.processor_class})
 
 
-def _write_sharded_weights(out: pathlib.Path, config: PreTrainedConfig, *, seed: int, vision_seed: int) -> None:
+def _write_sharded_weights(out: pathlib.Path, config: PreTrainedConfig, num_shards: int, *, seed: int, vision_seed: int) -> None:
     """Writes random float32 weights as safetensors shards plus the index.
 
     Tensor names and shapes come from the transformers model built on the meta device (no
@@ -695,6 +746,7 @@ def _write_sharded_weights(out: pathlib.Path, config: PreTrainedConfig, *, seed:
     itself uses: Qwen2.5-VL is stored as ``visual.*`` / ``model.*``, Qwen3-VL as
     ``model.visual.*`` / ``model.language_model.*``, both with ``lm_head.*``. Qwen2-Audio
     gets the released checkpoint's names instead (see ``_QWEN2_AUDIO_DISK_PREFIXES``).
+    Tensors are drawn one shard at a time, so a bench-scale build holds one shard in memory.
     """
     import safetensors.torch
     import torch
@@ -708,15 +760,18 @@ def _write_sharded_weights(out: pathlib.Path, config: PreTrainedConfig, *, seed:
     else:
         shapes = revert_weight_conversion(model, model.state_dict())
 
-    shards: dict[int, dict[str, torch.Tensor]] = {index: {} for index in range(1, _NUM_SHARDS + 1)}
-    for name, meta in sorted(shapes.items()):
-        tensor = _random_tensor(name, tuple(meta.shape), seed=vision_seed if _is_tower_tensor(name) else seed, std=_init_std(name))
-        shards[_shard_of(name, config.text_config.num_hidden_layers)][name] = tensor
+    names_by_shard: dict[int, list[str]] = {index: [] for index in range(1, num_shards + 1)}
+    for name in sorted(shapes):
+        names_by_shard[_shard_of(name, config.text_config.num_hidden_layers, num_shards)].append(name)
 
     weight_map: dict[str, str] = {}
     total_size = 0
-    for index, tensors in shards.items():
-        file_name = f"model-{index:05d}-of-{_NUM_SHARDS:05d}.safetensors"
+    for index, names in names_by_shard.items():
+        tensors = {
+            name: _random_tensor(name, tuple(shapes[name].shape), seed=vision_seed if _is_tower_tensor(name) else seed, std=_init_std(name))
+            for name in names
+        }
+        file_name = f"model-{index:05d}-of-{num_shards:05d}.safetensors"
         # safetensors orders the header itself, so equal tensors give equal bytes. Written
         # via bytes because save_file creates the file owner-readable only.
         (out / file_name).write_bytes(safetensors.torch.save(tensors, metadata={"format": "pt"}))
@@ -749,15 +804,18 @@ def _init_std(name: str) -> float:
     return _EMBED_INIT_STD if "embed_tokens" in name.split(".") else _TEXT_INIT_STD
 
 
-def _shard_of(name: str, num_layers: int) -> int:
-    """Shard number (1-based) of a tensor: the tower alone, then the LM split by layer."""
+def _shard_of(name: str, num_layers: int, num_shards: int) -> int:
+    """Shard number (1-based) of a tensor: the tower alone, then the LM's layers spread evenly
+    over the remaining shards, the embeddings in the first of them and the final norm and
+    lm_head in the last (so ``num_shards - 1`` must not exceed ``num_layers``)."""
     if _is_tower_tensor(name):
         return _TOWER_SHARD
+    lm_shards = num_shards - _TOWER_SHARD
     parts = name.split(".")
     if "layers" in parts:
         layer = int(parts[parts.index("layers") + 1])
-        return 2 if layer < num_layers // 2 else 3
-    return 2 if "embed_tokens" in parts else 3
+        return _TOWER_SHARD + 1 + layer * lm_shards // num_layers
+    return _TOWER_SHARD + 1 if "embed_tokens" in parts else num_shards
 
 
 def _random_tensor(name: str, shape: tuple[int, ...], *, seed: int, std: float) -> torch.Tensor:
@@ -788,14 +846,15 @@ def _write_text(path: pathlib.Path, text: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: ``python -m epd.checkpoints --family F --out DIR [--seed N] [--vision-seed M]``."""
+    """Command line: ``python -m epd.checkpoints --family F --out DIR [--seed N] [--vision-seed M] [--scale S]``."""
     parser = argparse.ArgumentParser(prog="python -m epd.checkpoints", description=__doc__.splitlines()[0])
     parser.add_argument("--family", required=True, choices=ALL_FAMILIES)
     parser.add_argument("--out", required=True, type=pathlib.Path, help="checkpoint directory to write")
     parser.add_argument("--seed", type=int, default=0, help="seed of the language-model weights")
     parser.add_argument("--vision-seed", type=int, default=None, help="seed of the tower (vision or audio) weights (default: --seed)")
+    parser.add_argument("--scale", choices=SCALES, default="tiny", help="language-model size: bench is about 0.9 GB in 16 shards")
     args = parser.parse_args(argv)
-    path = build_tiny_checkpoint(args.family, args.out, seed=args.seed, vision_seed=args.vision_seed)
+    path = build_tiny_checkpoint(args.family, args.out, seed=args.seed, vision_seed=args.vision_seed, scale=args.scale)
     print(path)
     return 0
 

@@ -117,6 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--out", required=True)
     ckpt.add_argument("--seed", type=int, default=0)
     ckpt.add_argument("--vision-seed", type=int, default=None)
+    # The scales epd.checkpoints builds (SCALES), spelled out like TINY_FAMILIES.
+    ckpt.add_argument("--scale", choices=["tiny", "bench"], default="tiny", help="bench: same tower, a 0.9 GB LM in 16 shards (for benchmarks)")
     return parser
 
 
@@ -204,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "build-checkpoint":
         from epd.checkpoints import build_tiny_checkpoint
 
-        print(build_tiny_checkpoint(args.family, args.out, seed=args.seed, vision_seed=args.vision_seed))
+        print(build_tiny_checkpoint(args.family, args.out, seed=args.seed, vision_seed=args.vision_seed, scale=args.scale))
         return 0
     if args.command == "generate":
         from epd.client import generate_cli

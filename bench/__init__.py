@@ -1,0 +1,1 @@
+"""EPD benchmarks: ratios measured side by side in one run (see BENCHMARKS.md)."""

@@ -1,0 +1,128 @@
+"""What every experiment shares: statistics in ``vllm bench serve`` vocabulary, the machine's
+description, and the result file format."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import platform
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
+SCHEMA_VERSION = 1
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear-interpolated percentile, q in [0, 100] (numpy's default method)."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    rank = (len(ordered) - 1) * q / 100
+    low = int(rank)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def summarize(values: Sequence[float]) -> dict[str, float]:
+    """mean, median and p99 (and the count), as vLLM's benchmarks report them."""
+    values = list(values)
+    if not values:
+        return {"count": 0, "mean": float("nan"), "median": float("nan"), "p99": float("nan")}
+    return {"count": len(values), "mean": statistics.fmean(values), "median": statistics.median(values), "p99": percentile(values, 99)}
+
+
+def machine() -> dict[str, Any]:
+    """What the numbers were measured on."""
+    import torch
+
+    cpu = "unknown"
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+    return {
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "memory_gib": round(memory_gib, 1),
+        "gpu": gpu,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "platform": platform.platform(),
+    }
+
+
+def command_line() -> str:
+    """The command that reproduces this run."""
+    return " ".join(shlex.quote(a) for a in [pathlib.Path(sys.executable).name, "-m", "bench", *sys.argv[1:]])
+
+
+def write_result(name: str, payload: dict[str, Any], *, command: str, results_dir: pathlib.Path = RESULTS_DIR) -> pathlib.Path:
+    """Writes ``<results_dir>/<name>.json`` with the common envelope around ``payload``."""
+    results_dir.mkdir(parents=True, exist_ok=True)
+    document = {
+        "schema_version": SCHEMA_VERSION,
+        "name": name,
+        "command": command,
+        "finished_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": machine(),
+        **payload,
+    }
+    path = results_dir / f"{name}.json"
+    path.write_text(json.dumps(document, indent=2, sort_keys=False) + "\n")
+    return path
+
+
+def progress(message: str) -> None:
+    """One line of progress on stderr (the suite runs for minutes)."""
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def plot_lines(
+    path: pathlib.Path,
+    series: dict[str, tuple[Sequence[float], Sequence[float]]],
+    *,
+    title: str,
+    xlabel: str,
+    ylabel: str,
+    log: bool = True,
+    xticks: dict[float, str] | None = None,
+) -> pathlib.Path | None:
+    """Writes a line plot (one line per ``series`` entry: label -> (xs, ys)) to ``path``.
+
+    ``xticks`` maps x positions to labels, e.g. byte counts to "1 KiB".
+
+    Plots are a convenience next to the JSON, so matplotlib is optional (``pip install -e
+    '.[bench]'``): without it this prints a notice and returns None instead of failing the run.
+    """
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        print(f"matplotlib is not installed; not plotting {path.name} (pip install -e '.[bench]')", file=sys.stderr)
+        return None
+    # A bare Figure needs no pyplot, so no GUI backend and no global figure state.
+    figure = Figure(figsize=(7, 4.5), layout="constrained")
+    axes = figure.subplots()
+    for label, (xs, ys) in series.items():
+        axes.plot(xs, ys, marker="o", label=label)
+    if log:
+        axes.set_xscale("log", base=2)
+        axes.set_yscale("log")
+    if xticks:
+        axes.set_xticks(list(xticks), list(xticks.values()))
+    axes.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    return path
