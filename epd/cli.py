@@ -35,6 +35,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-videos-per-prompt", type=int, default=2)
     p.add_argument("--max-audios-per-prompt", type=int, default=4)
     p.add_argument("--nixl-side-channel-port", type=int, default=0, help="vLLM NixlConnector side channel; 0 picks one")
+    p.add_argument("--no-caches", action="store_true", help="disable vLLM's prefix and multimodal processor caches (benchmarks)")
 
 
 def _media_limit_flags(p: argparse.ArgumentParser) -> None:
@@ -94,6 +95,11 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument("--encoder", action="append", default=[], help="encoder address (repeat for several)")
     gw.add_argument("--prefill", action="append", default=[], help="prefill address (repeat for several)")
     gw.add_argument("--decode", action="append", default=[], help="decode address (repeat for several)")
+    gw.add_argument(
+        "--forward-media",
+        action="store_true",
+        help="benchmarks' baseline: also send the media to prefill and decode, which re-derive the layout with the processor",
+    )
     _media_limit_flags(gw)
 
     up = sub.add_parser("up", help="build the tiny checkpoint if needed and run the whole stack on loopback")
@@ -144,6 +150,7 @@ def _engine_config(args):
         max_audios_per_prompt=args.max_audios_per_prompt,
         nixl_side_channel_host=args.host if args.host != "0.0.0.0" else "127.0.0.1",
         nixl_side_channel_port=args.nixl_side_channel_port,
+        caches=not args.no_caches,
     )
 
 
@@ -194,6 +201,7 @@ def _run_service(args) -> None:
             prefills=tuple(args.prefill),
             decodes=tuple(args.decode),
             limits=_media_limits(args),
+            forward_media=args.forward_media,
         )
         asyncio.run(serve(config, _server_config(args), _engine_config(args)))
 

@@ -160,6 +160,7 @@ class EncodedItem:
 
     metadata: ItemMetadata
     embedding: NixlRegion | InlineEmbedding | None = None
+    forwarded_media: MediaInput | None = None  # benchmarks' media-forwarding baseline only
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ class EngineConfig:
     max_audios_per_prompt: int = 4
     nixl_side_channel_host: str = "127.0.0.1"
     nixl_side_channel_port: int = 0  # KV producer/consumer only; 0 means "pick a free port"
+    caches: bool = True  # vLLM's prefix cache and multimodal processor cache (off: benchmarks)
     seed: int = 0
 
 
@@ -95,6 +96,8 @@ class Engine:
                 "kv_role": self.config.kv_role.value,
                 "kv_buffer_device": "cpu",
             }
+        if not self.config.caches:
+            kwargs.update(enable_prefix_caching=False, mm_processor_cache_gb=0)
         args = AsyncEngineArgs(
             model=self.config.model,
             dtype=self.config.dtype,
@@ -106,7 +109,9 @@ class Engine:
             # Items arrive as precomputed embeddings (prefill, combined) or as grid-only
             # metadata (decode); both are "embedding" inputs to vLLM's processor.
             enable_mm_embeds=True,
-            disable_log_stats=True,
+            # vLLM's own Prometheus metrics (vllm:kv_cache_usage_perc, vllm:num_requests_running,
+            # ...) join ours on the service's /metrics endpoint.
+            disable_log_stats=False,
             **kwargs,
         )
         self._llm = AsyncLLM.from_engine_args(args)

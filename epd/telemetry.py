@@ -62,3 +62,18 @@ def start_metrics_server(port: int | None, host: str) -> int | None:
 
     server, _ = start_http_server(port, addr=host)
     return server.server_port
+
+
+def scrape(metrics_port: int, host: str = "127.0.0.1") -> dict[str, float]:
+    """A service's Prometheus samples, by name (labels dropped; samples summed). For tests,
+    benchmarks and quick looks; production scrapes with Prometheus itself."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://{host}:{metrics_port}/metrics", timeout=5).read().decode()
+    samples: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
+    return samples

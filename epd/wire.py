@@ -36,7 +36,6 @@ from epd.transport.nixl import NixlRegion
 from epd.v1 import (
     common_pb2,
     decode_pb2,
-    encoder_pb2,
     engine_pb2,
     gateway_pb2,
     multimodal_pb2,
@@ -246,22 +245,26 @@ def media_to_wire(item: MediaInput) -> multimodal_pb2.Media | multimodal_pb2.Vid
 # ---- encoder ----------------------------------------------------------------------------
 
 
-def media_items_to_wire(items: list[MediaInput]) -> list[encoder_pb2.MediaItem]:
-    return [encoder_pb2.MediaItem(content_hash=i.content_hash, **{i.modality.value: media_to_wire(i)}) for i in items]
+def media_item_to_wire(item: MediaInput) -> multimodal_pb2.MediaItem:
+    return multimodal_pb2.MediaItem(content_hash=item.content_hash, **{item.modality.value: media_to_wire(item)})
+
+
+def media_item_from_wire(item: multimodal_pb2.MediaItem, field: str, violations: list[FieldViolation]) -> MediaInput | None:
+    """Parses one MediaItem, appending its problems to ``violations`` (None if unusable)."""
+    kind = item.WhichOneof("media")
+    if kind is None:
+        violations.append(FieldViolation(f"{field}.media", "must be set: image, video or audio"))
+        return None
+    parsed = _media_from_wire(kind, getattr(item, kind), field, violations)
+    if parsed is None:
+        return None
+    modality, source, sampling = parsed
+    return MediaInput(modality, source, item.content_hash or content_hash(source, sampling), sampling)
 
 
 def media_items_from_wire(items) -> list[MediaInput]:
     violations: list[FieldViolation] = []
-    result = []
-    for index, item in enumerate(items):
-        kind = item.WhichOneof("media")
-        if kind is None:
-            violations.append(FieldViolation(f"items[{index}].media", "must be set: image, video or audio"))
-            continue
-        parsed = _media_from_wire(kind, getattr(item, kind), f"items[{index}]", violations)
-        if parsed is not None:
-            modality, source, sampling = parsed
-            result.append(MediaInput(modality, source, item.content_hash or content_hash(source, sampling), sampling))
+    result = [media_item_from_wire(item, f"items[{index}]", violations) for index, item in enumerate(items)]
     if not items:
         violations.append(FieldViolation("items", "must contain at least one item"))
     if violations:
@@ -357,11 +360,19 @@ def encoded_item_to_wire(item: EncodedItem, *, with_embedding: bool = True) -> m
     msg = multimodal_pb2.EncodedItem(metadata=metadata_to_wire(item.metadata))
     if with_embedding and item.embedding is not None:
         msg.embedding.CopyFrom(_handle_to_wire(item.embedding))
+    if item.forwarded_media is not None:
+        msg.forwarded_media.CopyFrom(media_item_to_wire(item.forwarded_media))
     return msg
 
 
 def encoded_item_from_wire(msg: multimodal_pb2.EncodedItem, field: str) -> EncodedItem:
-    return EncodedItem(metadata_from_wire(msg.metadata, f"{field}.metadata"), _handle_from_wire(msg.embedding))
+    forwarded = None
+    if msg.HasField("forwarded_media"):
+        violations: list[FieldViolation] = []
+        forwarded = media_item_from_wire(msg.forwarded_media, f"{field}.forwarded_media", violations)
+        if violations:
+            raise InvalidArgument("invalid forwarded media", violations)
+    return EncodedItem(metadata_from_wire(msg.metadata, f"{field}.metadata"), _handle_from_wire(msg.embedding), forwarded)
 
 
 def encoded_items_from_wire(items) -> list[EncodedItem]:

@@ -145,8 +145,12 @@ class DisaggregatedPipeline:
         encoders: StagePool,
         prefills: StagePool | None,
         decodes: StagePool,
+        *,
+        forward_media: bool = False,
     ):
         self.mode = mode
+        # The benchmarks' baseline: later stages also get the media and re-derive the layout.
+        self.forward_media = forward_media
         self.family = family
         self.renderer = renderer
         self.limits = limits
@@ -169,6 +173,8 @@ class DisaggregatedPipeline:
             items = await self._encode(request, leases, deadline)
             clock.timings.encode = time.perf_counter() - clock.start
             items = self._place(prompt_ids, items)
+            if self.forward_media:
+                items = [dataclasses.replace(item, forwarded_media=media) for item, media in zip(items, request.media, strict=True)]
             engine_request = EngineRequest(request.request_id, tuple(prompt_ids), tuple(items), request.sampling)
             if self.mode is Mode.EPD:
                 engine_request = await self._prefill(engine_request, clock, deadline)
@@ -192,7 +198,7 @@ class DisaggregatedPipeline:
         results: list[EncodedItem | None] = [None] * len(media)
 
         async def call(address: str, indices: list[int]) -> None:
-            message = encoder_pb2.EncodeRequest(request_id=request.request_id, items=wire.media_items_to_wire([media[i] for i in indices]))
+            message = encoder_pb2.EncodeRequest(request_id=request.request_id, items=[wire.media_item_to_wire(media[i]) for i in indices])
             with self.encoders.busy(address) as stub, _tracer.start_as_current_span("encode"):
                 try:
                     response = await stub.Encode(message, timeout=_remaining(deadline))

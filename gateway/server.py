@@ -24,6 +24,7 @@ class GatewayConfig:
     prefills: tuple[str, ...] = ()
     decodes: tuple[str, ...] = ()
     limits: MediaLimits = MediaLimits()
+    forward_media: bool = False  # benchmarks' media-forwarding baseline
 
 
 async def _build_pipeline(config: GatewayConfig, engine_config):
@@ -43,6 +44,7 @@ async def _build_pipeline(config: GatewayConfig, engine_config):
         encoders=StagePool("encoder", list(config.encoders), encoder_pb2_grpc.EncoderServiceStub),
         prefills=StagePool("prefill", list(config.prefills), prefill_pb2_grpc.PrefillServiceStub) if config.mode is Mode.EPD else None,
         decodes=StagePool("decode", list(config.decodes), decode_pb2_grpc.DecodeServiceStub),
+        forward_media=config.forward_media,
     )
 
 

@@ -3,29 +3,18 @@
 from __future__ import annotations
 
 import asyncio
-import urllib.request
 
 import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from prometheus_client.parser import text_string_to_metric_families
 
 from epd.server import CLIENT_OPTIONS
+from epd.telemetry import scrape
 from epd.v1 import gateway_pb2_grpc
 
 
 def gateway_stub(address: str) -> gateway_pb2_grpc.GatewayServiceStub:
     return gateway_pb2_grpc.GatewayServiceStub(grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS))
-
-
-def scrape(metrics_port: int) -> dict[str, float]:
-    """A service's Prometheus samples, by name (labels dropped; samples summed)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5).read().decode()
-    samples: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
-    return samples
 
 
 async def wait_for_metric(metrics_port: int, name: str, expected: float, timeout: float = 10.0) -> float:

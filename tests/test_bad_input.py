@@ -39,7 +39,7 @@ async def test_bad_request_gets_invalid_argument_with_field(family_stack, mode, 
 async def test_embedding_rows_not_matching_metadata_fail_only_that_request(family_stack):
     async with grpc.aio.insecure_channel(family_stack.encoder.address) as enc_channel, grpc.aio.insecure_channel(family_stack.prefill.address) as pre_channel:
         encoded = await encoder_pb2_grpc.EncoderServiceStub(enc_channel).Encode(
-            encoder_pb2.EncodeRequest(request_id="rows", items=[encoder_pb2.MediaItem(image=multimodal_pb2.Media(data=PNG, mime_type="image/png"))])
+            encoder_pb2.EncodeRequest(request_id="rows", items=[multimodal_pb2.MediaItem(image=multimodal_pb2.Media(data=PNG, mime_type="image/png"))])
         )
         (item,) = encoded.items
         # Consistent metadata for a taller image than the one encoded: only the bytes disagree.

@@ -8,10 +8,11 @@ import pytest
 
 from epd.client import chat_request, generate
 from epd.launcher import gateway_args
+from epd.telemetry import scrape
 from epd.testing import synthetic_image_png
 from epd.v1 import decode_pb2, prefill_pb2
 from tests.conftest import checkpoint
-from tests.helpers import gateway_stub, scrape
+from tests.helpers import gateway_stub
 from tests.tap import RecordingProxy
 
 
@@ -98,3 +99,26 @@ async def test_inline_transport_only_where_explicitly_allowed(family_stack):
     assert result.token_ids == oracle.token_ids
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "inline" in refused.value.details()
+
+
+async def test_media_forwarding_baseline_sends_media_and_keeps_the_tokens(family_stack):
+    """The benchmarks' baseline (gateway --forward-media): prefill and decode do get the media,
+    re-derive the layout, and the tokens stay those of the monolithic run."""
+    png = synthetic_image_png(150, 110, seed=23)
+    request = chat_request([(png, "image/png"), "What is this?"], max_tokens=16)
+    oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=120)
+
+    decode_tap = RecordingProxy(family_stack.decode.address, streaming=frozenset({"Decode"}))
+    prefill_tap = RecordingProxy(family_stack.prefill.address)
+    s = family_stack
+    args = gateway_args(s.model, "epd", encoders=[s.encoder.address], prefills=[await prefill_tap.start()], decodes=[await decode_tap.start()], extra=["--forward-media"])
+    try:
+        with s.stack.temporary("gateway-forward-media", args) as gateway:
+            result = await generate(gateway_stub(gateway.address), request, timeout=120)
+    finally:
+        await decode_tap.stop()
+        await prefill_tap.stop()
+
+    assert result.token_ids == oracle.token_ids
+    for body in decode_tap.requests_for("/Decode") + prefill_tap.requests_for("/Prefill"):
+        assert png in body

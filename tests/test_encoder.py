@@ -10,16 +10,16 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
+from epd.telemetry import scrape
 from epd.testing import synthetic_image_png
 from epd.v1 import encoder_pb2, encoder_pb2_grpc, multimodal_pb2
-from tests.helpers import scrape
 
 SLOTS = 4
 
 
 def _encode_request(seed: int) -> encoder_pb2.EncodeRequest:
     png = synthetic_image_png(112, 112, seed=seed)  # 8x8 patches -> 16 rows x 128 floats = 8 KiB: one slot
-    return encoder_pb2.EncodeRequest(request_id=f"r{seed}", items=[encoder_pb2.MediaItem(image=multimodal_pb2.Media(data=png, mime_type="image/png"))])
+    return encoder_pb2.EncodeRequest(request_id=f"r{seed}", items=[multimodal_pb2.MediaItem(image=multimodal_pb2.Media(data=png, mime_type="image/png"))])
 
 
 @pytest.fixture

@@ -165,3 +165,28 @@ def test_pixel_and_frame_limits_name_the_field():
         with pytest.raises(MediaError) as info:
             decoder.decode(item)
         assert info.value.field == field, str(info.value)
+
+
+def test_forwarded_media_layout_comes_from_the_processor_not_the_metadata():
+    """The media-forwarding baseline re-derives each item's layout from its media."""
+    import asyncio
+    import dataclasses
+
+    from epd.domain import EncodedItem, EngineRequest, GridThw, Sampling
+    from services.forwarded_media import ForwardedMediaLayout
+
+    model = checkpoint("qwen3_vl")
+    encoder = VisionEncoder(model)
+    items = [
+        MediaInput.of(Modality.IMAGE, MediaFile(synthetic_image_png(150, 110, seed=3), "image/png")),
+        MediaInput.of(Modality.VIDEO, MediaFile(synthetic_video(96, 64, 12, fps=8.0, seed=4), "video/mp4")),
+    ]
+    decoder = MediaDecoder.for_model(model, MediaLimits())
+    truth = [
+        encoder.family.item_metadata(item.modality, item.content_hash, encoder.encode(item.modality, [decoder.decode(item)])[0]) for item in items
+    ]
+    # Wrong grids and timestamps in the metadata: the forwarded media must win.
+    wrong = [dataclasses.replace(m, grid_thw=GridThw(1, 2, 2), video_timestamps_s=(9.9,) * len(m.video_timestamps_s)) for m in truth]
+    request = EngineRequest("r", (1,), tuple(EncodedItem(m, None, item) for m, item in zip(wrong, items, strict=True)), Sampling(max_tokens=1))
+    rederived = asyncio.run(ForwardedMediaLayout(model, encoder.family).rederive(request))
+    assert [i.metadata for i in rederived.items] == truth

@@ -12,8 +12,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from epd.client import chat_request, generate
 from epd.launcher import gateway_args
+from epd.telemetry import scrape
 from epd.testing import synthetic_image_png
-from tests.helpers import gateway_stub, scrape
+from tests.helpers import gateway_stub
 
 SERVICES = {
     "encoder": "epd.v1.EncoderService",

@@ -55,7 +55,7 @@ async def _encode_and_prefill(family_stack, mutate) -> grpc.aio.AioRpcError | No
 
     data, mime = _clip(12, 8.0, 11)
     async with grpc.aio.insecure_channel(family_stack.encoder.address) as enc, grpc.aio.insecure_channel(family_stack.prefill.address) as pre:
-        item = encoder_pb2.MediaItem(video=multimodal_pb2.Video(file=multimodal_pb2.Media(data=data, mime_type=mime)))
+        item = multimodal_pb2.MediaItem(video=multimodal_pb2.Video(file=multimodal_pb2.Media(data=data, mime_type=mime)))
         (encoded,) = (await encoder_pb2_grpc.EncoderServiceStub(enc).Encode(encoder_pb2.EncodeRequest(items=[item]))).items
         mutate(encoded.metadata)
         request = prefill_pb2.PrefillRequest(
@@ -133,15 +133,15 @@ async def test_encoder_batches_each_modality_across_requests_and_keeps_prompt_or
     and one video batch; the mixed request's metadata stays in its prompt order."""
     import asyncio
 
+    from epd.telemetry import scrape
     from epd.v1 import encoder_pb2, encoder_pb2_grpc
-    from tests.helpers import scrape
 
     def image(seed):
-        return encoder_pb2.MediaItem(image=multimodal_pb2.Media(data=synthetic_image_png(112, 96, seed=seed), mime_type="image/png"))
+        return multimodal_pb2.MediaItem(image=multimodal_pb2.Media(data=synthetic_image_png(112, 96, seed=seed), mime_type="image/png"))
 
     def video(seed):
         data, mime = _clip(8, 8.0, seed)
-        return encoder_pb2.MediaItem(video=multimodal_pb2.Video(file=multimodal_pb2.Media(data=data, mime_type=mime)))
+        return multimodal_pb2.MediaItem(video=multimodal_pb2.Video(file=multimodal_pb2.Media(data=data, mime_type=mime)))
 
     requests = [[image(40)], [image(41)], [video(42)], [video(43)], [image(44), video(45)]]
     args = ["encoder", "--model", family_stack.model, "--metrics-port", "0", "--batch-wait-ms", "1500"]

@@ -10,7 +10,7 @@ from typing import Any
 
 from epd.models.base import Encoding, ExpandedPrompt, ModelFamily
 
-__all__ = ["Encoding", "ExpandedPrompt", "ModelFamily", "load_family", "load_tower"]
+__all__ = ["Encoding", "ExpandedPrompt", "ModelFamily", "load_family", "load_processors", "load_tower"]
 
 _VISION_LANGUAGE = ("qwen2_5_vl", "qwen3_vl")
 _AUDIO_LANGUAGE = ("qwen2_audio",)
@@ -53,3 +53,16 @@ def load_tower(model_dir: str | pathlib.Path, *, dtype: str = "float32"):
     from epd.models.qwen_vl import VisionEncoder
 
     return VisionEncoder(model_dir, dtype=dtype)
+
+
+def load_processors(model_dir: str | pathlib.Path):
+    """The checkpoint's processors alone (no weights): ``layout(modality, decoded_items)``
+    gives each item's layout as the processor sees it."""
+    family = load_family(model_dir)
+    if family.model_type in _AUDIO_LANGUAGE:
+        from epd.models.qwen2_audio import AudioProcessors
+
+        return AudioProcessors(model_dir, family)
+    from epd.models.qwen_vl import VisionProcessors
+
+    return VisionProcessors(model_dir, family)

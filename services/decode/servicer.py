@@ -12,6 +12,7 @@ from epd.errors import FailedPrecondition, Unavailable
 from epd.models import ModelFamily
 from epd.rpc import rpc_method
 from epd.v1 import decode_pb2, decode_pb2_grpc
+from services.forwarded_media import ForwardedMediaLayout
 
 
 class DecodeMode(enum.Enum):
@@ -20,10 +21,11 @@ class DecodeMode(enum.Enum):
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
-    def __init__(self, mode: DecodeMode, family: ModelFamily, source: EmbeddingSource | None) -> None:
+    def __init__(self, mode: DecodeMode, family: ModelFamily, source: EmbeddingSource | None, forwarded: ForwardedMediaLayout) -> None:
         self.mode = mode
         self.family = family
         self.source = source
+        self.forwarded = forwarded
         self.engine: Engine | None = None  # set once the model has loaded
 
     @rpc_method("decode")
@@ -40,7 +42,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         """
         if self.engine is None:
             raise Unavailable("decode engine is still loading")
-        engine_request = wire.decode_request_from_wire(request)
+        engine_request = await self.forwarded.rederive(wire.decode_request_from_wire(request))
         metadata = [i.metadata for i in engine_request.items]
         fetch_s = 0.0
         if self.mode is DecodeMode.DECODE:

@@ -11,12 +11,14 @@ from epd.errors import Unavailable
 from epd.models import ModelFamily
 from epd.rpc import rpc_method
 from epd.v1 import prefill_pb2, prefill_pb2_grpc
+from services.forwarded_media import ForwardedMediaLayout
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
-    def __init__(self, family: ModelFamily, source: EmbeddingSource) -> None:
+    def __init__(self, family: ModelFamily, source: EmbeddingSource, forwarded: ForwardedMediaLayout) -> None:
         self.family = family
         self.source = source
+        self.forwarded = forwarded
         self.engine: Engine | None = None  # set once the model has loaded
 
     @rpc_method("prefill")
@@ -32,7 +34,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         """
         if self.engine is None:
             raise Unavailable("prefill engine is still loading")
-        engine_request = wire.prefill_request_from_wire(request)
+        engine_request = await self.forwarded.rederive(wire.prefill_request_from_wire(request))
         embeddings, fetch_s = await self.source.load(engine_request.items)
         self.family.validate_layout(engine_request.prompt_token_ids, [i.metadata for i in engine_request.items])
         prompt = self.family.engine_prompt(engine_request, embeddings)
