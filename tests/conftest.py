@@ -67,7 +67,7 @@ def _start_services(family: str, model: str, stack: Stack, otlp_endpoint: str) -
     decode = stack.start("decode", ["decode", "--model", model, "--mode", "decode", *observability])
     # The combined instance also accepts inline embeddings (test_data_path covers both transports).
     combined = stack.start("combined", ["decode", "--model", model, "--mode", "combined", "--allow-inline-embeddings", *observability])
-    monolithic = start_monolithic(stack, model, extra=MEDIA_LIMITS)
+    monolithic = start_monolithic(stack, model, extra=[*MEDIA_LIMITS, *observability])
     stack.wait_ready([encoder, prefill, decode, combined], timeout=600)
     gateways = {"monolithic": monolithic}
     gateways["epd"] = stack.start(

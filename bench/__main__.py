@@ -1,0 +1,59 @@
+"""``python -m bench``: the whole suite (embedding handoff, encoder cold start, serving A/B and
+topologies), then BENCHMARKS.md. By default it fits about 15 minutes on a 2-core CPU host;
+the flags scale the same experiments up for GPUs."""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import time
+
+from bench.common import RESULTS_DIR, command_line, progress
+
+EXPERIMENTS = ("handoff", "cold_start", "serving")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="a smoke run of every experiment (seconds to a few minutes)")
+    parser.add_argument("--only", default=",".join(EXPERIMENTS), help=f"comma-separated subset of {', '.join(EXPERIMENTS)}")
+    parser.add_argument("--model", default=None, help="serving: checkpoint directory (default: the tiny Qwen2.5-VL)")
+    parser.add_argument("--rate", type=float, default=None, help="serving: Poisson request rate per second")
+    parser.add_argument("--num-requests", type=int, default=None, help="serving: requests per run")
+    parser.add_argument("--repeats", type=int, default=None, help="repeats per measurement (medians are reported)")
+    parser.add_argument("--iterations", type=int, default=None, help="handoff: transfers per size")
+    parser.add_argument("--results-dir", type=pathlib.Path, default=RESULTS_DIR)
+    parser.add_argument("--report", type=pathlib.Path, default=None, help="where to write BENCHMARKS.md (default: the repo root)")
+    args = parser.parse_args(argv)
+    chosen = [name.strip() for name in args.only.split(",") if name.strip()]
+    unknown = sorted(set(chosen) - set(EXPERIMENTS))
+    if unknown:
+        parser.error(f"unknown experiments: {', '.join(unknown)}")
+    command = command_line()
+    started = time.perf_counter()
+    for name in chosen:
+        progress(f"{name}: starting")
+        if name == "handoff":
+            from bench.handoff import run
+
+            path = run(quick=args.quick, iterations=args.iterations, results_dir=args.results_dir, command=command)
+        elif name == "cold_start":
+            from bench.cold_start import run
+
+            path = run(quick=args.quick, repeats=args.repeats, results_dir=args.results_dir, command=command)
+        else:
+            from bench.serving import run
+
+            path = run(
+                quick=args.quick, model=args.model, rate=args.rate, num_requests=args.num_requests, repeats=args.repeats, results_dir=args.results_dir, command=command
+            )
+        progress(f"{name}: wrote {path}")
+    from bench.report import write_report
+
+    report = write_report(args.results_dir, **({"out": args.report} if args.report else {}))
+    progress(f"wrote {report} in {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,137 @@
+"""Deterministic request sets and open-loop load, measured the way ``vllm bench serve`` does.
+
+A workload is generated from a seed, so every arm of a comparison replays the very same
+requests in the very same order at the very same arrival times.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import random
+import time
+from collections.abc import Sequence
+
+import grpc
+
+from bench.common import summarize
+from epd.client import chat_request
+from epd.server import CLIENT_OPTIONS
+from epd.v1 import gateway_pb2, gateway_pb2_grpc
+
+STAGES = ("encode", "prefill", "decode")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkloadSpec:
+    """Image-heavy chat requests: several camera-sized JPEGs and a question each."""
+
+    num_requests: int = 24
+    images_per_request: tuple[int, int] = (2, 4)  # inclusive range
+    image_edge_px: tuple[int, int] = (448, 1344)  # inclusive range, multiples of 28
+    max_tokens: int = 16
+    seed: int = 0
+
+
+def build_requests(spec: WorkloadSpec) -> list[gateway_pb2.GenerateRequest]:
+    from epd.testing import synthetic_image
+
+    rng = random.Random(spec.seed)
+    requests = []
+    for index in range(spec.num_requests):
+        parts: list = []
+        for k in range(rng.randint(*spec.images_per_request)):
+            width = 28 * rng.randint(spec.image_edge_px[0] // 28, spec.image_edge_px[1] // 28)
+            height = 28 * rng.randint(spec.image_edge_px[0] // 28, spec.image_edge_px[1] // 28)
+            parts.append((synthetic_image(width, height, seed=spec.seed * 100_003 + index * 101 + k, image_format="JPEG"), "image/jpeg"))
+        parts.append(f"Request {index}: what do these pictures have in common?")
+        # min_tokens = max_tokens: every request decodes the same number of tokens in every arm.
+        requests.append(chat_request(parts, max_tokens=spec.max_tokens, min_tokens=spec.max_tokens, request_id=f"bench-{spec.seed}-{index}"))
+    return requests
+
+
+def poisson_arrivals(count: int, rate: float, seed: int) -> list[float]:
+    """Offsets in seconds of ``count`` arrivals at ``rate`` per second (inf: all at once)."""
+    if rate == float("inf"):
+        return [0.0] * count
+    rng = random.Random(seed)
+    offsets, now = [], 0.0
+    for _ in range(count):
+        offsets.append(now)
+        now += rng.expovariate(rate)
+    return offsets
+
+
+@dataclasses.dataclass
+class RequestRecord:
+    """One request as the client saw it, plus the gateway's own stage timings."""
+
+    ok: bool
+    error: str = ""
+    token_ids: tuple[int, ...] = ()
+    ttft_s: float = 0.0
+    e2el_s: float = 0.0
+    itl_s: tuple[float, ...] = ()
+    stages_s: dict[str, float] = dataclasses.field(default_factory=dict)  # as the gateway timed each stage call
+
+    @property
+    def stage_s(self) -> float:
+        return sum(self.stages_s.values())
+
+
+async def _one(stub, request, start_at: float) -> RequestRecord:
+    await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+    sent = time.perf_counter()
+    tokens: list[int] = []
+    stamps: list[float] = []
+    stages: dict[str, float] = {}
+    try:
+        async for response in stub.Generate(request, timeout=600):
+            now = time.perf_counter()
+            if response.HasField("delta"):
+                tokens += response.delta.token_ids
+                stamps.append(now)
+            else:
+                t = response.finished.timings
+                stages = {name: getattr(t, name).ToNanoseconds() / 1e9 for name in STAGES}
+    except grpc.aio.AioRpcError as exc:
+        return RequestRecord(False, f"{exc.code().name}: {exc.details()}")
+    done = time.perf_counter()
+    if not stamps:
+        return RequestRecord(False, "no tokens")
+    itl = tuple(b - a for a, b in zip(stamps, stamps[1:], strict=False))
+    return RequestRecord(True, "", tuple(tokens), stamps[0] - sent, done - sent, itl, stages)
+
+
+async def run_load(address: str, requests: Sequence[gateway_pb2.GenerateRequest], rate: float, seed: int) -> dict:
+    """Sends the requests open-loop at Poisson ``rate`` (inf: all at once) and reports
+    ``vllm bench serve``-style metrics plus the per-request outputs and gateway overhead."""
+    async with grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS) as channel:
+        stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+        offsets = poisson_arrivals(len(requests), rate, seed)
+        begin = time.perf_counter() + 0.05
+        records = await asyncio.gather(*(_one(stub, r, begin + o) for r, o in zip(requests, offsets, strict=True)))
+    duration = max(r.e2el_s + o for r, o in zip(records, offsets, strict=True) if r.ok) if any(r.ok for r in records) else float("nan")
+    ok = [r for r in records if r.ok]
+    output_tokens = sum(len(r.token_ids) for r in ok)
+    tpot = [(r.e2el_s - r.ttft_s) / (len(r.token_ids) - 1) for r in ok if len(r.token_ids) > 1]
+    return {
+        "rate": "inf" if rate == float("inf") else rate,
+        "completed": len(ok),
+        "failed": len(records) - len(ok),
+        "errors": sorted({r.error for r in records if not r.ok}),
+        "duration_s": duration,
+        "request_throughput": len(ok) / duration,
+        "output_throughput": output_tokens / duration,
+        "ttft_ms": _ms(summarize([r.ttft_s for r in ok])),
+        "tpot_ms": _ms(summarize(tpot)),
+        "itl_ms": _ms(summarize([x for r in ok for x in r.itl_s])),
+        "e2el_ms": _ms(summarize([r.e2el_s for r in ok])),
+        "gateway_overhead_ms": _ms(summarize([r.e2el_s - r.stage_s for r in ok])),
+        "stage_ms": {name: _ms(summarize([r.stages_s[name] for r in ok])) for name in STAGES},
+        "outputs": [list(r.token_ids) for r in records],
+    }
+
+
+def _ms(summary: dict) -> dict:
+    return {k: (v * 1000 if k != "count" else v) for k, v in summary.items()}
