@@ -48,8 +48,9 @@ def main(argv: list[str] | None = None) -> int:
                 quick=args.quick, model=args.model, rate=args.rate, num_requests=args.num_requests, repeats=args.repeats, results_dir=args.results_dir, command=command
             )
         progress(f"{name}: wrote {path}")
-    from bench.report import write_report
+    from bench.report import write_plots, write_report
 
+    write_plots(args.results_dir)
     report = write_report(args.results_dir, **({"out": args.report} if args.report else {}))
     progress(f"wrote {report} in {time.perf_counter() - started:.0f} s")
     return 0
