@@ -20,6 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default=None, help="serving: checkpoint directory (default: the tiny Qwen2.5-VL)")
     parser.add_argument("--rate", type=float, default=None, help="serving: Poisson request rate per second")
     parser.add_argument("--num-requests", type=int, default=None, help="serving: requests per run")
+    parser.add_argument("--duration-s", type=float, default=None, help="serving: seconds of arrivals per run (sets --num-requests from --rate)")
+    parser.add_argument("--max-concurrency", type=int, default=None, help="serving: most requests in flight (arrivals wait for a slot)")
     parser.add_argument("--repeats", type=int, default=None, help="repeats per measurement (medians are reported)")
     parser.add_argument("--iterations", type=int, default=None, help="handoff: transfers per size")
     parser.add_argument("--results-dir", type=pathlib.Path, default=RESULTS_DIR)
@@ -45,7 +47,15 @@ def main(argv: list[str] | None = None) -> int:
             from bench.serving import run
 
             path = run(
-                quick=args.quick, model=args.model, rate=args.rate, num_requests=args.num_requests, repeats=args.repeats, results_dir=args.results_dir, command=command
+                quick=args.quick,
+                model=args.model,
+                rate=args.rate,
+                num_requests=args.num_requests,
+                repeats=args.repeats,
+                max_concurrency=args.max_concurrency,
+                duration_s=args.duration_s,
+                results_dir=args.results_dir,
+                command=command,
             )
         progress(f"{name}: wrote {path}")
     from bench.report import write_plots, write_report

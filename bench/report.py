@@ -58,9 +58,10 @@ def _serving(doc: dict) -> list[str]:
         parts = ", ".join(f"{load}: throughput ×{_fmt(r['request_throughput'], 3)}, mean E2EL ×{_fmt(r['e2el_mean'], 3)}" for load, r in loads.items())
         lines.append(f"- {arm}: {parts}")
     end = doc["end_state"]
+    drained = end["arena_leases"] == 0 and all(e["kv_cache_usage"] == 0 and e["requests_running"] == 0 and e["requests_waiting"] == 0 for e in end["engines"].values())
     lines += [
         "",
-        f"End state: {end['arena_leases']:g} arena leases; engines (KV cache usage, requests running, waiting): "
+        f"End state ({'all back to zero' if drained else 'NOT back to zero'}): {end['arena_leases']:g} arena leases; engines (KV cache usage, requests running, waiting): "
         + ", ".join(f"{name} {e['kv_cache_usage']:g}/{e['requests_running']:g}/{e['requests_waiting']:g}" for name, e in end["engines"].items())
         + ".  ",
         "Peak RSS (MiB, process tree): " + ", ".join(f"{name} {r['peak_rss_mib']:g}" for name, r in doc["resources"].items()) + ".",

@@ -14,9 +14,9 @@ another's warm cache; arms alternate order across repeats so drift hits all of t
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
+import math
 import pathlib
 import statistics
 
@@ -36,6 +36,7 @@ class ServingConfig:
     repeats: int
     workload: WorkloadSpec
     caches: str  # "off" (engines started with --no-caches) or "on"
+    max_concurrency: int | None = None
 
 
 def _start(stack: Stack, model: str) -> dict[str, ServiceProcess]:
@@ -83,7 +84,7 @@ def _median_of(runs: list[dict], *path: str) -> float:
     return statistics.median(values)
 
 
-def measure(gateways: dict[str, str], requests: list, *, rate: float, repeats: int) -> dict[str, dict[str, list[dict]]]:
+def measure(gateways: dict[str, str], requests: list, *, rate: float, repeats: int, max_concurrency: int | None = None) -> dict[str, dict[str, list[dict]]]:
     """Runs the request set through every arm's gateway: a Poisson run and a saturation run per
     repeat, arms in rotating order. ``gateways`` maps each of :data:`ARMS` to an address."""
     for arm in ARMS:  # warm-up: first contact, lazy imports, NIXL metadata exchange
@@ -94,7 +95,7 @@ def measure(gateways: dict[str, str], requests: list, *, rate: float, repeats: i
         for load, load_rate in (("poisson", rate), ("saturation", float("inf"))):
             for arm in order:
                 progress(f"serving: repeat {repeat + 1}/{repeats} {load} {arm}")
-                result = asyncio.run(run_load(gateways[arm], requests, load_rate, seed=repeat))
+                result = asyncio.run(run_load(gateways[arm], requests, load_rate, seed=repeat, max_concurrency=max_concurrency))
                 if result["failed"]:
                     raise RuntimeError(f"{arm} {load}: {result['failed']} requests failed: {result['errors']}")
                 runs[arm][load].append(result)
@@ -157,7 +158,7 @@ def build_payload(runs: dict[str, dict[str, list[dict]]], config: ServingConfig,
     }
     return {
         "experiment": "serving",
-        "config": {"model": config.model, "rate": config.rate, "repeats": config.repeats, "workload": dataclasses.asdict(config.workload), "arms": list(ARMS), "caches": config.caches},
+        "config": {"model": config.model, "rate": config.rate, "repeats": config.repeats, "workload": dataclasses.asdict(config.workload), "arms": list(ARMS), "caches": config.caches, "max_concurrency": config.max_concurrency},
         "summary": summary,
         "ratios": ratios,
         "outputs_identical_to_monolithic": identical,
@@ -174,14 +175,20 @@ def run(
     rate: float | None = None,
     num_requests: int | None = None,
     repeats: int | None = None,
+    max_concurrency: int | None = None,
+    duration_s: float | None = None,
     results_dir: pathlib.Path = RESULTS_DIR,
     command: str | None = None,
 ) -> pathlib.Path:
+    """``duration_s`` (if given) sizes the request set to that many seconds of arrivals."""
     from epd.checkpoints import ensure_tiny_checkpoint
 
     model = model or str(ensure_tiny_checkpoint("qwen2_5_vl", pathlib.Path("checkpoints")))
+    rate = rate or (4.0 if quick else 2.0)
+    if duration_s:
+        num_requests = max(1, math.ceil(rate * duration_s))
     workload = WorkloadSpec(num_requests=num_requests or (3 if quick else 16), images_per_request=(1, 2) if quick else (2, 4))
-    config = ServingConfig(model=model, rate=rate or (4.0 if quick else 2.0), repeats=repeats or (1 if quick else 3), workload=workload, caches="off")
+    config = ServingConfig(model=model, rate=rate, repeats=repeats or (1 if quick else 3), workload=workload, caches="off", max_concurrency=max_concurrency)
     progress(f"serving: building {workload.num_requests} requests (seed {workload.seed})")
     requests = build_requests(workload)
     stack = Stack()
@@ -189,7 +196,7 @@ def run(
     try:
         services = _start(stack, model)
         gateways = {arm: services[f"gateway-{arm}"].address for arm in ARMS}
-        runs = measure(gateways, requests, rate=config.rate, repeats=config.repeats)
+        runs = measure(gateways, requests, rate=config.rate, repeats=config.repeats, max_concurrency=config.max_concurrency)
         state = end_state(services)
         resources = {name: {"peak_rss_mib": round(peak_rss_mib(service), 1)} for name, service in services.items()}
     finally:
@@ -197,17 +204,9 @@ def run(
     return write_result("serving", build_payload(runs, config, state, resources), command=command or command_line(), results_dir=results_dir)
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--model", default=None, help="checkpoint directory (default: the tiny Qwen2.5-VL)")
-    parser.add_argument("--rate", type=float, default=None, help="Poisson arrivals per second")
-    parser.add_argument("--num-requests", type=int, default=None)
-    parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--results-dir", type=pathlib.Path, default=RESULTS_DIR)
-    args = parser.parse_args(argv)
-    print(run(quick=args.quick, model=args.model, rate=args.rate, num_requests=args.num_requests, repeats=args.repeats, results_dir=args.results_dir))
-
-
 if __name__ == "__main__":
-    main()
+    import sys
+
+    from bench.__main__ import main
+
+    raise SystemExit(main(["--only", "serving", *sys.argv[1:]]))

@@ -79,8 +79,15 @@ class RequestRecord:
         return sum(self.stages_s.values())
 
 
-async def _one(stub, request, start_at: float) -> RequestRecord:
+async def _one(stub, request, start_at: float, slots: asyncio.Semaphore | None) -> RequestRecord:
     await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+    if slots is None:
+        return await _send(stub, request)
+    async with slots:  # like `vllm bench serve --max-concurrency`: arrivals wait for a slot
+        return await _send(stub, request)
+
+
+async def _send(stub, request) -> RequestRecord:
     sent = time.perf_counter()
     tokens: list[int] = []
     stamps: list[float] = []
@@ -103,14 +110,17 @@ async def _one(stub, request, start_at: float) -> RequestRecord:
     return RequestRecord(True, "", tuple(tokens), stamps[0] - sent, done - sent, itl, stages)
 
 
-async def run_load(address: str, requests: Sequence[gateway_pb2.GenerateRequest], rate: float, seed: int) -> dict:
-    """Sends the requests open-loop at Poisson ``rate`` (inf: all at once) and reports
-    ``vllm bench serve``-style metrics plus the per-request outputs and gateway overhead."""
+async def run_load(address: str, requests: Sequence[gateway_pb2.GenerateRequest], rate: float, seed: int, max_concurrency: int | None = None) -> dict:
+    """Sends the requests open-loop at Poisson ``rate`` (inf: all at once), at most
+    ``max_concurrency`` in flight, and reports ``vllm bench serve``-style metrics plus the
+    per-request outputs and the gateway's overhead. Latencies count from the send, so time
+    spent waiting for a concurrency slot is not in them."""
     async with grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS) as channel:
         stub = gateway_pb2_grpc.GatewayServiceStub(channel)
         offsets = poisson_arrivals(len(requests), rate, seed)
         begin = time.perf_counter() + 0.05
-        records = await asyncio.gather(*(_one(stub, r, begin + o) for r, o in zip(requests, offsets, strict=True)))
+        slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+        records = await asyncio.gather(*(_one(stub, r, begin + o, slots) for r, o in zip(requests, offsets, strict=True)))
     duration = max(r.e2el_s + o for r, o in zip(records, offsets, strict=True) if r.ok) if any(r.ok for r in records) else float("nan")
     ok = [r for r in records if r.ok]
     output_tokens = sum(len(r.token_ids) for r in ok)
