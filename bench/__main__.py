@@ -10,14 +10,16 @@ import time
 
 from bench.common import RESULTS_DIR, command_line, progress
 
-EXPERIMENTS = ("handoff", "cold_start", "serving")
+EXPERIMENTS = ("handoff", "cold_start", "serving", "serving_video", "serving_audio")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="a smoke run of every experiment (seconds to a few minutes)")
     parser.add_argument("--only", default=",".join(EXPERIMENTS), help=f"comma-separated subset of {', '.join(EXPERIMENTS)}")
-    parser.add_argument("--model", default=None, help="serving: checkpoint directory (default: the tiny Qwen2.5-VL)")
+    parser.add_argument(
+        "--model", default=None, help="serving*: checkpoint directory (default: the tiny Qwen2.5-VL, Qwen3-VL for video, Qwen2-Audio for audio)"
+    )
     parser.add_argument("--rate", type=float, default=None, help="serving: Poisson request rate per second")
     parser.add_argument("--num-requests", type=int, default=None, help="serving: requests per run")
     parser.add_argument("--duration-s", type=float, default=None, help="serving: seconds of arrivals per run (sets --num-requests from --rate)")
@@ -47,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
             from bench.serving import run
 
             path = run(
+                modality={"serving": "image", "serving_video": "video", "serving_audio": "audio"}[name],
                 quick=args.quick,
                 model=args.model,
                 rate=args.rate,

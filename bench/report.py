@@ -25,15 +25,23 @@ def _machine(doc: dict) -> str:
     return f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, GPU: {m['gpu']}; torch {m['torch']}, Python {m['python']}"
 
 
+_MEDIA = {
+    "image": lambda w: f"JPEG images ({w['image_edge_px'][0]}-{w['image_edge_px'][1]} px)",
+    "video": lambda w: f"MP4 clips at 10 fps ({w['clip_seconds'][0]:g}-{w['clip_seconds'][1]:g} s, {w['video_edge_px'][0]}-{w['video_edge_px'][1]} px)",
+    "audio": lambda w: f"16 kHz WAV clips ({w['clip_seconds'][0]:g}-{w['clip_seconds'][1]:g} s)",
+}
+
+
 def _serving(doc: dict) -> list[str]:
     cfg, summary, ratios = doc["config"], doc["summary"], doc["ratios"]
+    w = cfg["workload"]
     lines = [
-        "## Serving: metadata-only vs media forwarding, and topologies",
+        f"## Serving ({w['modality']}): metadata-only vs media forwarding, and topologies",
         "",
         f"Command: `{doc['command']}`  ",
         f"Machine: {_machine(doc)}  ",
-        f"Model: `{cfg['model']}`; {cfg['workload']['num_requests']} requests of {cfg['workload']['images_per_request'][0]}-{cfg['workload']['images_per_request'][1]} "
-        f"JPEG images ({cfg['workload']['image_edge_px'][0]}-{cfg['workload']['image_edge_px'][1]} px) and {cfg['workload']['max_tokens']} output tokens each, "
+        f"Model: `{cfg['model']}`; {w['num_requests']} requests of {w['items_per_request'][0]}-{w['items_per_request'][1]} "
+        f"{_MEDIA[w['modality']](w)} and {w['max_tokens']} output tokens each, "
         f"seed {cfg['workload']['seed']}; Poisson at {cfg['rate']} req/s and a saturation run (all at once); medians over {cfg['repeats']} repeats; "
         f"engine prefix and multimodal caches {cfg['caches']}.",
         "",
@@ -127,7 +135,7 @@ def _plot_serving(doc: dict, path: pathlib.Path) -> None:
         ax.set_xticks(range(len(arms)), arms, rotation=20)
         ax.set_title(label)
     axes[0].legend()
-    fig.suptitle("Serving: medians over repeats")
+    fig.suptitle(f"Serving ({doc['config']['workload']['modality']}): medians over repeats")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -158,7 +166,7 @@ def write_plots(results_dir: pathlib.Path = RESULTS_DIR) -> list[pathlib.Path]:
         print("[bench] matplotlib is not installed: no plots (pip install -e .[bench])")
         return []
     written = []
-    for name, plot in (("serving", _plot_serving), ("cold_start", _plot_cold_start)):
+    for name, plot in (("serving", _plot_serving), ("serving_video", _plot_serving), ("serving_audio", _plot_serving), ("cold_start", _plot_cold_start)):
         doc = _load(results_dir, name)
         if doc:
             plot(doc, results_dir / f"{name}.png")
@@ -167,7 +175,7 @@ def write_plots(results_dir: pathlib.Path = RESULTS_DIR) -> list[pathlib.Path]:
 
 
 def write_report(results_dir: pathlib.Path = RESULTS_DIR, out: pathlib.Path = REPO / "BENCHMARKS.md") -> pathlib.Path:
-    sections = {"serving": _serving, "handoff": _handoff, "cold_start": _cold_start}
+    sections = {"serving": _serving, "serving_video": _serving, "serving_audio": _serving, "handoff": _handoff, "cold_start": _cold_start}
     lines = [
         "# Benchmarks",
         "",

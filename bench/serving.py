@@ -168,8 +168,22 @@ def build_payload(runs: dict[str, dict[str, list[dict]]], config: ServingConfig,
     }
 
 
+# Per modality: the tiny checkpoint that serves it, and a full run's request set.
+DEFAULT_FAMILY = {"image": "qwen2_5_vl", "video": "qwen3_vl", "audio": "qwen2_audio"}
+DEFAULT_WORKLOAD = {
+    "image": WorkloadSpec("image", num_requests=16, items_per_request=(2, 4)),
+    "video": WorkloadSpec("video", num_requests=8, items_per_request=(1, 2)),
+    "audio": WorkloadSpec("audio", num_requests=8, items_per_request=(1, 3)),
+}
+
+
+def result_name(modality: str) -> str:
+    return "serving" if modality == "image" else f"serving_{modality}"
+
+
 def run(
     *,
+    modality: str = "image",
     quick: bool = False,
     model: str | None = None,
     rate: float | None = None,
@@ -183,16 +197,20 @@ def run(
     """``duration_s`` (if given) sizes the request set to that many seconds of arrivals."""
     from epd.checkpoints import ensure_tiny_checkpoint
 
-    model = model or str(ensure_tiny_checkpoint("qwen2_5_vl", pathlib.Path("checkpoints")))
+    model = model or str(ensure_tiny_checkpoint(DEFAULT_FAMILY[modality], pathlib.Path("checkpoints")))
     rate = rate or (4.0 if quick else 2.0)
     if duration_s:
         num_requests = max(1, math.ceil(rate * duration_s))
-    workload = WorkloadSpec(num_requests=num_requests or (3 if quick else 16), images_per_request=(1, 2) if quick else (2, 4))
+    workload = DEFAULT_WORKLOAD[modality]
+    if quick:
+        workload = dataclasses.replace(workload, num_requests=3, items_per_request=(1, 2))
+    workload = dataclasses.replace(workload, num_requests=num_requests or workload.num_requests)
     config = ServingConfig(model=model, rate=rate, repeats=repeats or (1 if quick else 3), workload=workload, caches="off", max_concurrency=max_concurrency)
-    progress(f"serving: building {workload.num_requests} requests (seed {workload.seed})")
+    name = result_name(modality)
+    progress(f"{name}: building {workload.num_requests} {modality} requests (seed {workload.seed})")
     requests = build_requests(workload)
     stack = Stack()
-    progress(f"serving: starting the stack (logs in {stack.log_dir})")
+    progress(f"{name}: starting the stack (logs in {stack.log_dir})")
     try:
         services = _start(stack, model)
         gateways = {arm: services[f"gateway-{arm}"].address for arm in ARMS}
@@ -201,7 +219,7 @@ def run(
         resources = {name: {"peak_rss_mib": round(peak_rss_mib(service), 1)} for name, service in services.items()}
     finally:
         stack.stop()
-    return write_result("serving", build_payload(runs, config, state, resources), command=command or command_line(), results_dir=results_dir)
+    return write_result(name, build_payload(runs, config, state, resources), command=command or command_line(), results_dir=results_dir)
 
 
 if __name__ == "__main__":

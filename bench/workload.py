@@ -22,29 +22,53 @@ from epd.v1 import gateway_pb2, gateway_pb2_grpc
 STAGES = ("encode", "prefill", "decode")
 
 
+MODALITIES = ("image", "video", "audio")
+
+
 @dataclasses.dataclass(frozen=True)
 class WorkloadSpec:
-    """Image-heavy chat requests: several camera-sized JPEGs and a question each."""
+    """Media-heavy chat requests of one modality, plus a question each:
 
-    num_requests: int = 24
-    images_per_request: tuple[int, int] = (2, 4)  # inclusive range
+    - image: camera-sized JPEGs, ``image_edge_px`` on each side;
+    - video: MP4 clips at 10 fps, ``clip_seconds`` long, ``video_edge_px`` on each side;
+    - audio: WAV clips at 16 kHz, ``clip_seconds`` long.
+    """
+
+    modality: str = "image"
+    num_requests: int = 16
+    items_per_request: tuple[int, int] = (2, 4)  # inclusive range
     image_edge_px: tuple[int, int] = (448, 1344)  # inclusive range, multiples of 28
+    video_edge_px: tuple[int, int] = (224, 448)
+    clip_seconds: tuple[float, float] = (1.0, 4.0)
     max_tokens: int = 16
     seed: int = 0
 
 
-def build_requests(spec: WorkloadSpec) -> list[gateway_pb2.GenerateRequest]:
-    from epd.testing import synthetic_image
+_QUESTIONS = {"image": "what do these pictures have in common?", "video": "what happens in these clips?", "audio": "what do you hear?"}
 
+
+def _item(spec: WorkloadSpec, rng: random.Random, seed: int) -> tuple[bytes, str]:
+    from epd.testing import sine_samples, synthetic_image, synthetic_video, wav_int16
+
+    def edge(bounds: tuple[int, int]) -> int:
+        return 28 * rng.randint(bounds[0] // 28, bounds[1] // 28)
+
+    if spec.modality == "image":
+        return synthetic_image(edge(spec.image_edge_px), edge(spec.image_edge_px), seed=seed, image_format="JPEG"), "image/jpeg"
+    seconds = round(rng.uniform(*spec.clip_seconds), 2)
+    if spec.modality == "video":
+        return synthetic_video(edge(spec.video_edge_px), edge(spec.video_edge_px), max(2, int(seconds * 10)), fps=10.0, seed=seed), "video/mp4"
+    return wav_int16(sine_samples(seconds, freq=rng.uniform(200.0, 2000.0), seed=seed), 16000), "audio/wav"
+
+
+def build_requests(spec: WorkloadSpec) -> list[gateway_pb2.GenerateRequest]:
+    if spec.modality not in MODALITIES:
+        raise ValueError(f"unknown workload modality {spec.modality!r}; choose from {', '.join(MODALITIES)}")
     rng = random.Random(spec.seed)
     requests = []
     for index in range(spec.num_requests):
-        parts: list = []
-        for k in range(rng.randint(*spec.images_per_request)):
-            width = 28 * rng.randint(spec.image_edge_px[0] // 28, spec.image_edge_px[1] // 28)
-            height = 28 * rng.randint(spec.image_edge_px[0] // 28, spec.image_edge_px[1] // 28)
-            parts.append((synthetic_image(width, height, seed=spec.seed * 100_003 + index * 101 + k, image_format="JPEG"), "image/jpeg"))
-        parts.append(f"Request {index}: what do these pictures have in common?")
+        parts: list = [_item(spec, rng, seed=spec.seed * 100_003 + index * 101 + k) for k in range(rng.randint(*spec.items_per_request))]
+        parts.append(f"Request {index}: {_QUESTIONS[spec.modality]}")
         # min_tokens = max_tokens: every request decodes the same number of tokens in every arm.
         requests.append(chat_request(parts, max_tokens=spec.max_tokens, min_tokens=spec.max_tokens, request_id=f"bench-{spec.seed}-{index}"))
     return requests

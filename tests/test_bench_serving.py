@@ -29,7 +29,7 @@ async def test_serving_smoke_run_has_the_report_schema(family_stack, tmp_path):
     import asyncio
 
     s = family_stack
-    workload = WorkloadSpec(num_requests=2, images_per_request=(1, 1), image_edge_px=(448, 560), max_tokens=4)
+    workload = WorkloadSpec("image", num_requests=2, items_per_request=(1, 1), image_edge_px=(448, 560), max_tokens=4)
     config = ServingConfig(model=s.model, rate=50.0, repeats=1, workload=workload, caches="on")
     forward = gateway_args(s.model, "epd", encoders=[s.encoder.address], prefills=[s.prefill.address], decodes=[s.decode.address], extra=["--forward-media"])
     with s.stack.temporary("gateway-bench-forward-media", forward) as forward_gateway:
@@ -57,4 +57,4 @@ async def test_serving_smoke_run_has_the_report_schema(family_stack, tmp_path):
     assert all(e["requests_running"] == 0 and e["kv_cache_usage"] >= 0 for e in doc["end_state"]["engines"].values())
 
     report = write_report(tmp_path, out=tmp_path / "BENCHMARKS.md").read_text()
-    assert "## Serving" in report and "Command: `pytest smoke`" in report and "| epd-forward-media | saturation |" in report
+    assert "## Serving (image)" in report and "Command: `pytest smoke`" in report and "| epd-forward-media | saturation |" in report
