@@ -1,5 +1,5 @@
 """``python -m bench``: the whole suite (embedding handoff, encoder cold start, serving A/B and
-topologies), then BENCHMARKS.md. By default it fits about 15 minutes on a 2-core CPU host;
+topologies for images, video and audio), then BENCHMARKS.md: about 18 minutes on a 2-core CPU host;
 the flags scale the same experiments up for GPUs."""
 
 from __future__ import annotations
