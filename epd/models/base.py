@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 from epd.domain import EngineRequest, ItemMetadata, Modality, TokenRange
@@ -18,6 +18,24 @@ class ExpandedPrompt:
 
     token_ids: list[int]
     ranges: list[TokenRange]
+
+
+def expand_placeholders(
+    token_ids: Sequence[int], items: Sequence[ItemMetadata], placeholder_ids: frozenset[int], run_of: Callable[[ItemMetadata], list[int]]
+) -> ExpandedPrompt:
+    """Replaces the k-th placeholder token with ``run_of(items[k])``, recording each run's
+    place. The family has already checked that placeholders and items match one to one."""
+    expanded: list[int] = []
+    ranges: list[TokenRange] = []
+    remaining = iter(items)
+    for token in token_ids:
+        if token in placeholder_ids:
+            run = run_of(next(remaining))
+            ranges.append(TokenRange(offset=len(expanded), length=len(run)))
+            expanded.extend(run)
+        else:
+            expanded.append(token)
+    return ExpandedPrompt(expanded, ranges)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,9 +21,9 @@ import pathlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from epd.domain import EngineRequest, ItemMetadata, Modality, TokenRange
+from epd.domain import EngineRequest, ItemMetadata, Modality
 from epd.errors import FieldViolation, InvalidArgument
-from epd.models.base import Encoding, ExpandedPrompt
+from epd.models.base import Encoding, ExpandedPrompt, expand_placeholders
 
 if TYPE_CHECKING:
     import numpy as np
@@ -115,17 +115,7 @@ class Qwen2AudioFamily:
             InvalidArgument: the prompt's placeholders do not match the items one to one.
         """
         self.validate_layout(token_ids, items)
-        expanded: list[int] = []
-        ranges: list[TokenRange] = []
-        remaining = iter(items)
-        for token in token_ids:
-            if token == self.audio_token_id:
-                count = next(remaining).audio_token_count
-                ranges.append(TokenRange(offset=len(expanded), length=count))
-                expanded.extend([token] * count)
-            else:
-                expanded.append(token)
-        return ExpandedPrompt(expanded, ranges)
+        return expand_placeholders(token_ids, items, self.placeholder_token_ids, lambda item: [self.audio_token_id] * item.audio_token_count)
 
     def validate_layout(self, token_ids: Sequence[int], items: Sequence[ItemMetadata]) -> None:
         """Checks that prompt and metadata agree, before anything reaches an engine.

@@ -26,9 +26,9 @@ import pathlib
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from epd.domain import EngineRequest, GridThw, ItemMetadata, Modality, TokenRange
+from epd.domain import EngineRequest, GridThw, ItemMetadata, Modality
 from epd.errors import FieldViolation, InvalidArgument, Unimplemented
-from epd.models.base import Encoding, ExpandedPrompt
+from epd.models.base import Encoding, ExpandedPrompt, expand_placeholders
 
 if TYPE_CHECKING:
     import torch
@@ -116,17 +116,7 @@ class QwenVLFamily:
             InvalidArgument: the prompt's placeholders do not match the items one to one.
         """
         self.validate_layout(token_ids, items)
-        expanded: list[int] = []
-        ranges: list[TokenRange] = []
-        remaining = iter(items)
-        for token in token_ids:
-            if token in self.placeholder_token_ids:
-                run = self._item_run(next(remaining))
-                ranges.append(TokenRange(offset=len(expanded), length=len(run)))
-                expanded.extend(run)
-            else:
-                expanded.append(token)
-        return ExpandedPrompt(expanded, ranges)
+        return expand_placeholders(token_ids, items, self.placeholder_token_ids, self._item_run)
 
     def _item_run(self, item: ItemMetadata) -> list[int]:
         if item.modality is Modality.IMAGE:
