@@ -57,7 +57,20 @@ if TYPE_CHECKING:
 # Vision-language families; tests parametrize their image checks over exactly these.
 FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "qwen3_vl")
 AUDIO_FAMILIES: tuple[str, ...] = ("qwen2_audio",)
-ALL_FAMILIES: tuple[str, ...] = FAMILIES + AUDIO_FAMILIES
+# Qwen Omni thinkers (text out only): a vision tower and an audio tower in front of one LM.
+OMNI_FAMILIES: tuple[str, ...] = ("qwen2_5_omni", "qwen3_omni_moe")
+# Families from outside Qwen: NVIDIA's Audio Flamingo 3 (Whisper-style tower, Qwen2 LM).
+NON_QWEN_FAMILIES: tuple[str, ...] = ("audioflamingo3",)
+ALL_FAMILIES: tuple[str, ...] = FAMILIES + AUDIO_FAMILIES + OMNI_FAMILIES + NON_QWEN_FAMILIES
+# The media each family takes, as vLLM names the modalities.
+MODALITIES: dict[str, tuple[str, ...]] = {
+    "qwen2_5_vl": ("image", "video"),
+    "qwen3_vl": ("image", "video"),
+    "qwen2_audio": ("audio",),
+    "qwen2_5_omni": ("image", "video", "audio"),
+    "qwen3_omni_moe": ("image", "video", "audio"),
+    "audioflamingo3": ("audio",),
+}
 
 # Language-model sizes are per scale (see _SCALES); vision-tower sizes are shared by every
 # scale and both families. Every scale keeps head_dim at 64, because the M-RoPE sections
@@ -96,6 +109,17 @@ _AUDIO_HOP_LENGTH = 160
 _AUDIO_N_FFT = 400
 # Qwen2-Audio's language model is a plain Qwen2 (1-D RoPE); 10000 is the released base.
 _AUDIO_ROPE_THETA = 10_000.0
+
+# Qwen3-Omni's audio tower first shrinks the mel spectrogram with three stride-2 2-D
+# convolutions of this many channels (480 in the released model).
+_QWEN3_OMNI_AUDIO_DOWNSAMPLE = 32
+# Qwen3-Omni's vision tower learns a square grid of absolute position embeddings, this many
+# patches a side, interpolated to each image (48 in the released model).
+_QWEN3_OMNI_POSITION_GRID = 24
+# Qwen3-Omni's MoE language model, shrunk: few experts, top-2 routing. Each expert's MLP is
+# a quarter of the scale's dense MLP width.
+_MOE_EXPERTS = 4
+_MOE_EXPERTS_PER_TOKEN = 2
 
 # Byte-level BPE vocabulary size before special tokens: the 256-byte alphabet plus merges.
 _BPE_VOCAB_SIZE = 512
@@ -153,6 +177,60 @@ _QWEN2_AUDIO_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
     ("<|audio_eos|>", True),
 )
 
+# The released Qwen2.5-Omni tokenizer: Qwen2.5-VL's layout, with the audio markers in the ids
+# of the first three object-ref / box markers and the vision markers renamed *_bos / *_eos.
+_QWEN2_5_OMNI_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
+    ("<|endoftext|>", True),
+    ("<|im_start|>", True),
+    ("<|im_end|>", True),
+    ("<|AUDIO|>", True),
+    ("<|audio_bos|>", True),
+    ("<|audio_eos|>", True),
+    ("<|box_end|>", True),
+    ("<|quad_start|>", True),
+    ("<|quad_end|>", True),
+    ("<|vision_bos|>", True),
+    ("<|vision_eos|>", True),
+    ("<|vision_pad|>", True),
+    ("<|IMAGE|>", True),
+    ("<|VIDEO|>", True),
+) + _QWEN2_5_VL_ADDED_TOKENS[14:]
+# Qwen3-Omni: Qwen3-VL's tokens, then the audio markers, the talker's TTS markers (unused by
+# the thinker, kept so the ids line up with the released ones) and the audio placeholder.
+_QWEN3_OMNI_ADDED_TOKENS = _QWEN3_VL_ADDED_TOKENS + (
+    ("<|audio_start|>", True),
+    ("<|audio_end|>", True),
+    ("<tts_pad>", True),
+    ("<tts_text_bos>", True),
+    ("<tts_text_eod>", True),
+    ("<tts_text_bos_single>", True),
+    ("<|audio_pad|>", True),
+)
+# Audio Flamingo 3 (nvidia/audio-flamingo-3-hf): the Qwen2.5 tokenizer as extended for Qwen3,
+# plus its sound placeholder, which lands on the released id (151669, the 27th added token).
+_AUDIOFLAMINGO3_ADDED_TOKENS = _QWEN3_VL_ADDED_TOKENS + (("<sound>", True),)
+
+# The Omni processors read their placeholder and marker tokens from tokenizer attributes,
+# which transformers 5 sets from ``extra_special_tokens`` in tokenizer_config.json.
+_QWEN2_5_OMNI_TOKEN_ATTRIBUTES: tuple[tuple[str, str], ...] = (
+    ("image_token", "<|IMAGE|>"),
+    ("audio_token", "<|AUDIO|>"),
+    ("video_token", "<|VIDEO|>"),
+    ("vision_bos_token", "<|vision_bos|>"),
+    ("vision_eos_token", "<|vision_eos|>"),
+    ("audio_bos_token", "<|audio_bos|>"),
+    ("audio_eos_token", "<|audio_eos|>"),
+)
+_QWEN3_OMNI_TOKEN_ATTRIBUTES: tuple[tuple[str, str], ...] = (
+    ("image_token", "<|image_pad|>"),
+    ("audio_token", "<|audio_pad|>"),
+    ("video_token", "<|video_pad|>"),
+    ("vision_bos_token", "<|vision_start|>"),
+    ("vision_eos_token", "<|vision_end|>"),
+    ("audio_bos_token", "<|audio_start|>"),
+    ("audio_eos_token", "<|audio_end|>"),
+)
+
 # The Qwen2-VL chat template: a default system prompt, ChatML turns, and a
 # <|vision_start|><pad><|vision_end|> triple per image or video content part.
 _CHAT_TEMPLATE = (
@@ -200,13 +278,74 @@ _AUDIO_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+
+def _omni_chat_template(image: str, video: str, audio: str) -> str:
+    """A Qwen Omni chat template: ChatML turns with a default system prompt, and the given
+    marker-wrapped placeholder per image, video or audio content part (recognised like the
+    other templates: by ``type`` or by an ``image`` / ``video`` / ``audio`` key)."""
+    return (
+        "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
+        "{% set audio_count = namespace(value=0) %}"
+        "{% for message in messages %}"
+        "{% if loop.first and message['role'] != 'system' %}"
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "{% endif %}"
+        "<|im_start|>{{ message['role'] }}\n"
+        "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+        "{% else %}{% for content in message['content'] %}"
+        "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+        "{% set image_count.value = image_count.value + 1 %}"
+        "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
+        f"{image}"
+        "{% elif content['type'] == 'video' or 'video' in content %}"
+        "{% set video_count.value = video_count.value + 1 %}"
+        "{% if add_vision_id %}Video {{ video_count.value }}: {% endif %}"
+        f"{video}"
+        "{% elif content['type'] == 'audio' or 'audio' in content or 'audio_url' in content %}"
+        "{% set audio_count.value = audio_count.value + 1 %}"
+        "{% if add_audio_id %}Audio {{ audio_count.value }}: {% endif %}"
+        f"{audio}"
+        "{% elif 'text' in content %}{{ content['text'] }}"
+        "{% endif %}{% endfor %}<|im_end|>\n"
+        "{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+
+_QWEN2_5_OMNI_CHAT_TEMPLATE = _omni_chat_template(
+    "<|vision_bos|><|IMAGE|><|vision_eos|>", "<|vision_bos|><|VIDEO|><|vision_eos|>", "<|audio_bos|><|AUDIO|><|audio_eos|>"
+)
+_QWEN3_OMNI_CHAT_TEMPLATE = _omni_chat_template(
+    "<|vision_start|><|image_pad|><|vision_end|>",
+    "<|vision_start|><|video_pad|><|vision_end|>",
+    "<|audio_start|><|audio_pad|><|audio_end|>",
+)
+
+# Audio Flamingo 3: ChatML with a default system prompt and a bare <sound> per audio part,
+# which its processor (and vLLM) expand to one placeholder per audio frame.
+_AUDIOFLAMINGO3_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'audio' or 'audio' in content or 'audio_url' in content %}<sound>"
+    "{% elif 'text' in content %}{{ content['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
 _CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 _CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 
 @dataclass(frozen=True)
 class _Family:
-    """What differs between the two Qwen-VL (vision) families.
+    """What differs between the Qwen-VL (vision) families.
 
     Attributes:
         architecture: transformers model class name, written to ``config.architectures``.
@@ -217,6 +356,7 @@ class _Family:
         image_mean: per-channel normalisation mean.
         image_std: per-channel normalisation std.
         rope_theta: base of the language model's rotary embedding.
+        chat_template: the Jinja chat template.
     """
 
     architecture: str
@@ -227,7 +367,7 @@ class _Family:
     image_mean: list[float]
     image_std: list[float]
     rope_theta: float
-    chat_template = _CHAT_TEMPLATE  # a class constant, not a field
+    chat_template: str = _CHAT_TEMPLATE
 
     @property
     def merged_patch(self) -> int:
@@ -247,20 +387,39 @@ class _Family:
 
 @dataclass(frozen=True)
 class _AudioFamily:
-    """An audio-language family (Qwen2-Audio).
+    """An audio-language family (Qwen2-Audio, Audio Flamingo 3).
 
     Attributes:
         architecture: transformers model class name, written to ``config.architectures``.
         processor_class: transformers processor class name.
         added_tokens: tokenizer added tokens in id order, as (content, special).
         rope_theta: base of the language model's rotary embedding.
+        audio_token: the placeholder the processor expands to one token per audio frame.
+        chat_template: the Jinja chat template.
     """
 
     architecture: str
     processor_class: str
     added_tokens: tuple[tuple[str, bool], ...]
     rope_theta: float
-    chat_template = _AUDIO_CHAT_TEMPLATE  # a class constant, not a field
+    audio_token: str = "<|AUDIO|>"
+    chat_template: str = _AUDIO_CHAT_TEMPLATE
+
+
+@dataclass(frozen=True)
+class _OmniFamily(_Family):
+    """A Qwen Omni thinker: a Qwen-VL vision tower and a Whisper-style audio tower in front
+    of one language model, stored under ``thinker.`` as in the released checkpoints.
+
+    Attributes (besides :class:`_Family`'s):
+        token_attributes: tokenizer attributes the processor reads (``image_token``,
+            ``audio_bos_token``, ...) and their tokens, written as ``extra_special_tokens``.
+        speaker_file: whether to write an (empty) ``spk_dict.pt``, the talker's voices, which
+            transformers' top-level Qwen2.5-Omni ``from_pretrained`` insists on reading.
+    """
+
+    token_attributes: tuple[tuple[str, str], ...] = ()
+    speaker_file: bool = False
 
 
 _FAMILY_SPECS: dict[str, _Family | _AudioFamily] = {
@@ -289,6 +448,41 @@ _FAMILY_SPECS: dict[str, _Family | _AudioFamily] = {
         processor_class="Qwen2AudioProcessor",
         added_tokens=_QWEN2_AUDIO_ADDED_TOKENS,
         rope_theta=_AUDIO_ROPE_THETA,
+    ),
+    # vLLM maps both Omni architectures to its thinker-only model; the config says
+    # enable_audio_output false, so transformers builds no talker either.
+    "qwen2_5_omni": _OmniFamily(
+        architecture="Qwen2_5OmniForConditionalGeneration",
+        processor_class="Qwen2_5OmniProcessor",
+        video_processor_type="Qwen2VLVideoProcessor",
+        added_tokens=_QWEN2_5_OMNI_ADDED_TOKENS,
+        patch_size=14,
+        image_mean=_CLIP_MEAN,
+        image_std=_CLIP_STD,
+        rope_theta=1_000_000.0,
+        chat_template=_QWEN2_5_OMNI_CHAT_TEMPLATE,
+        token_attributes=_QWEN2_5_OMNI_TOKEN_ATTRIBUTES,
+        speaker_file=True,
+    ),
+    "qwen3_omni_moe": _OmniFamily(
+        architecture="Qwen3OmniMoeForConditionalGeneration",
+        processor_class="Qwen3OmniMoeProcessor",
+        video_processor_type="Qwen2VLVideoProcessor",
+        added_tokens=_QWEN3_OMNI_ADDED_TOKENS,
+        patch_size=16,
+        image_mean=[0.5, 0.5, 0.5],
+        image_std=[0.5, 0.5, 0.5],
+        rope_theta=1_000_000.0,
+        chat_template=_QWEN3_OMNI_CHAT_TEMPLATE,
+        token_attributes=_QWEN3_OMNI_TOKEN_ATTRIBUTES,
+    ),
+    "audioflamingo3": _AudioFamily(
+        architecture="AudioFlamingo3ForConditionalGeneration",
+        processor_class="AudioFlamingo3Processor",
+        added_tokens=_AUDIOFLAMINGO3_ADDED_TOKENS,
+        rope_theta=1_000_000.0,
+        audio_token="<sound>",
+        chat_template=_AUDIOFLAMINGO3_CHAT_TEMPLATE,
     ),
 }
 
@@ -341,6 +535,7 @@ _REQUIRED_FILES = (
     _INDEX_FILE,
 )
 _VISION_REQUIRED_FILES = ("video_preprocessor_config.json",)
+_SPEAKER_FILE = "spk_dict.pt"
 
 # Where Qwen2-Audio's modules sit in transformers 5 (left) and in the released checkpoint,
 # which vLLM reads (right). transformers 5.19's own reverse renaming doubles the inner
@@ -392,7 +587,9 @@ def build_tiny_checkpoint(
     token_ids = {content: tokenizer.token_to_id(content) for content, _ in spec.added_tokens}
     _write_tokenizer_files(out, tokenizer, spec)
     if isinstance(spec, _AudioFamily):
-        config = _build_audio_config(spec, sizes, vocab_size=tokenizer.get_vocab_size(), token_ids=token_ids)
+        config = _build_audio_config(family, spec, sizes, vocab_size=tokenizer.get_vocab_size(), token_ids=token_ids)
+    elif isinstance(spec, _OmniFamily):
+        config = _build_omni_config(family, spec, sizes, vocab_size=tokenizer.get_vocab_size(), token_ids=token_ids, tokenizer=tokenizer)
     else:
         config = _build_config(family, spec, sizes, vocab_size=tokenizer.get_vocab_size(), token_ids=token_ids)
     config.to_json_file(out / "config.json", use_diff=True)
@@ -408,6 +605,8 @@ def build_tiny_checkpoint(
         _write_audio_processor_configs(out, spec)
     else:
         _write_processor_configs(out, spec)
+    if isinstance(spec, _OmniFamily) and spec.speaker_file:
+        _write_empty_speaker_dict(out / _SPEAKER_FILE)
     _write_sharded_weights(out, config, sizes.num_shards, seed=seed, vision_seed=seed if vision_seed is None else vision_seed)
     return out
 
@@ -493,6 +692,8 @@ def _scale(scale: str) -> _Scale:
 def _is_complete(path: pathlib.Path, spec: _Family | _AudioFamily) -> bool:
     """Whether ``path`` holds every file a built checkpoint of ``spec`` has, shards included."""
     required = _REQUIRED_FILES if isinstance(spec, _AudioFamily) else _REQUIRED_FILES + _VISION_REQUIRED_FILES
+    if isinstance(spec, _OmniFamily) and spec.speaker_file:
+        required += (_SPEAKER_FILE,)
     if not all((path / name).is_file() for name in required):
         return False
     try:
@@ -557,22 +758,23 @@ def _build_tokenizer(spec: _Family | _AudioFamily) -> tokenizers.Tokenizer:
 def _write_tokenizer_files(out: pathlib.Path, tokenizer: tokenizers.Tokenizer, spec: _Family | _AudioFamily) -> None:
     """Writes tokenizer.json, tokenizer_config.json and chat_template.jinja."""
     _write_text(out / "tokenizer.json", tokenizer.to_str(pretty=True) + "\n")
-    _write_json(
-        out / "tokenizer_config.json",
-        {
-            "add_prefix_space": False,
-            "bos_token": None,
-            "clean_up_tokenization_spaces": False,
-            "eos_token": "<|im_end|>",
-            "errors": "replace",
-            "model_max_length": _MAX_POSITIONS,
-            "pad_token": "<|endoftext|>",
-            "processor_class": spec.processor_class,
-            "split_special_tokens": False,
-            "tokenizer_class": "Qwen2Tokenizer",
-            "unk_token": None,
-        },
-    )
+    config: dict[str, Any] = {
+        "add_prefix_space": False,
+        "bos_token": None,
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>",
+        "errors": "replace",
+        "model_max_length": _MAX_POSITIONS,
+        "pad_token": "<|endoftext|>",
+        "processor_class": spec.processor_class,
+        "split_special_tokens": False,
+        "tokenizer_class": "Qwen2Tokenizer",
+        "unk_token": None,
+    }
+    if isinstance(spec, _OmniFamily):
+        # transformers 5 sets these as tokenizer attributes (tokenizer.image_token, ...).
+        config["extra_special_tokens"] = dict(spec.token_attributes)
+    _write_json(out / "tokenizer_config.json", config)
     # transformers 5 reads chat_template.jinja for both the tokenizer and the processor.
     _write_text(out / "chat_template.jinja", spec.chat_template)
 
@@ -639,8 +841,9 @@ def _build_config(family: str, spec: _Family, sizes: _Scale, *, vocab_size: int,
     )
 
 
-def _build_audio_config(spec: _AudioFamily, sizes: _Scale, *, vocab_size: int, token_ids: Mapping[str, int]) -> PreTrainedConfig:
-    """Builds the transformers ``Qwen2AudioConfig``: a narrow Whisper-style tower, a Qwen2 LM."""
+def _build_audio_config(family: str, spec: _AudioFamily, sizes: _Scale, *, vocab_size: int, token_ids: Mapping[str, int]) -> PreTrainedConfig:
+    """Builds the transformers ``Qwen2AudioConfig`` or ``AudioFlamingo3Config``: a narrow
+    Whisper-style tower, a Qwen2 LM."""
     import transformers
 
     text_config: dict[str, Any] = {
@@ -669,6 +872,26 @@ def _build_audio_config(spec: _AudioFamily, sizes: _Scale, *, vocab_size: int, t
         "max_source_positions": _AUDIO_MAX_SOURCE_POSITIONS,
         "initializer_range": _AUDIO_INIT_STD,
     }
+    if family == "audioflamingo3":
+        # The same Whisper-style tower (AF3 pools its output 2x, like Qwen2-Audio) and a
+        # two-layer GELU projector; the text config names its model type explicitly.
+        text_config |= {"model_type": "qwen2"}
+        audio_config = {
+            "hidden_size": _AUDIO_D_MODEL,
+            "num_hidden_layers": _AUDIO_LAYERS,
+            "num_attention_heads": _AUDIO_HEADS,
+            "intermediate_size": _AUDIO_FFN,
+            "num_mel_bins": _AUDIO_MEL_BINS,
+            "max_source_positions": _AUDIO_MAX_SOURCE_POSITIONS,
+            "initializer_range": _AUDIO_INIT_STD,
+        }
+        return transformers.AudioFlamingo3Config(
+            audio_config=audio_config,
+            text_config=text_config,
+            audio_token_id=token_ids[spec.audio_token],
+            architectures=[spec.architecture],
+            dtype="float32",
+        )
     return transformers.Qwen2AudioConfig(
         audio_config=audio_config,
         text_config=text_config,
@@ -678,8 +901,125 @@ def _build_audio_config(spec: _AudioFamily, sizes: _Scale, *, vocab_size: int, t
     )
 
 
+def _build_omni_config(
+    family: str,
+    spec: _OmniFamily,
+    sizes: _Scale,
+    *,
+    vocab_size: int,
+    token_ids: Mapping[str, int],
+    tokenizer: tokenizers.Tokenizer,
+) -> PreTrainedConfig:
+    """Builds the transformers ``Qwen2_5OmniConfig`` or ``Qwen3OmniMoeConfig``: a thinker
+    (vision tower, audio tower, LM) and no talker (``enable_audio_output`` false)."""
+    import transformers
+
+    attributes = dict(spec.token_attributes)
+    text_config: dict[str, Any] = {
+        "vocab_size": vocab_size,
+        "hidden_size": sizes.text_hidden,
+        "intermediate_size": sizes.text_intermediate,
+        "num_hidden_layers": sizes.text_layers,
+        "num_attention_heads": sizes.text_heads,
+        "num_key_value_heads": sizes.text_kv_heads,
+        "max_position_embeddings": _MAX_POSITIONS,
+        "rms_norm_eps": 1e-6,
+        "initializer_range": _TEXT_INIT_STD,
+        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta, "mrope_section": _MROPE_SECTION},
+        # Qwen2.5-Omni's text config defaults to tied embeddings; the released thinker (and
+        # vLLM's loader, which would then drop lm_head) must see them untied.
+        "tie_word_embeddings": False,
+        "pad_token_id": token_ids["<|endoftext|>"],
+        "bos_token_id": token_ids["<|endoftext|>"],
+        "eos_token_id": token_ids["<|im_end|>"],
+        "dtype": "float32",
+    }
+    vision_config: dict[str, Any] = {
+        "depth": _VISION_DEPTH,
+        "hidden_size": _VISION_HIDDEN,
+        "intermediate_size": _VISION_INTERMEDIATE,
+        "num_heads": _VISION_HEADS,
+        "out_hidden_size": sizes.text_hidden,
+        "patch_size": spec.patch_size,
+        "spatial_merge_size": _SPATIAL_MERGE,
+        "temporal_patch_size": _TEMPORAL_PATCH,
+        "initializer_range": _VISION_INIT_STD,
+    }
+    audio_config: dict[str, Any] = {
+        "d_model": _AUDIO_D_MODEL,
+        "encoder_layers": _AUDIO_LAYERS,
+        "encoder_attention_heads": _AUDIO_HEADS,
+        "encoder_ffn_dim": _AUDIO_FFN,
+        "num_mel_bins": _AUDIO_MEL_BINS,
+        "max_source_positions": _AUDIO_MAX_SOURCE_POSITIONS,
+        "output_dim": sizes.text_hidden,
+        "initializer_range": _AUDIO_INIT_STD,
+    }
+    thinker_config: dict[str, Any] = {
+        "image_token_id": token_ids[attributes["image_token"]],
+        "video_token_id": token_ids[attributes["video_token"]],
+        "audio_token_id": token_ids[attributes["audio_token"]],
+        "audio_start_token_id": token_ids[attributes["audio_bos_token"]],
+        # Not fields of transformers' thinker configs, but read from them: vLLM wants the audio
+        # end marker (audio-in-video prompts), transformers' M-RoPE the vision start marker.
+        "audio_end_token_id": token_ids[attributes["audio_eos_token"]],
+        "vision_start_token_id": token_ids[attributes["vision_bos_token"]],
+        "vision_end_token_id": token_ids[attributes["vision_eos_token"]],
+        "initializer_range": _TEXT_INIT_STD,
+        "tie_word_embeddings": False,
+        "dtype": "float32",
+    }
+    user_ids = tokenizer.encode("user", add_special_tokens=False).ids
+    if len(user_ids) == 1:
+        thinker_config["user_token_id"] = user_ids[0]  # marks user turns in the talker's input
+    top_level: dict[str, Any] = {}
+    if family == "qwen2_5_omni":
+        config_class = transformers.Qwen2_5OmniConfig
+        # One windowed and one full-attention block, as for Qwen2.5-VL.
+        vision_config |= {"window_size": 4 * spec.merged_patch, "fullatt_block_indexes": [_VISION_DEPTH - 1]}
+        # Token-id keys in the released config: ``*_index`` (transformers maps ``*_id`` onto
+        # them); vLLM reads the ``*_index`` spellings.
+        for key in ("image", "video", "audio"):
+            thinker_config[f"{key}_token_index"] = thinker_config.pop(f"{key}_token_id")
+    else:
+        config_class = transformers.Qwen3OmniMoeConfig
+        text_config |= {
+            "head_dim": sizes.head_dim,
+            "moe_intermediate_size": sizes.text_intermediate // 4,
+            "num_experts": _MOE_EXPERTS,
+            "num_experts_per_tok": _MOE_EXPERTS_PER_TOKEN,
+            "decoder_sparse_step": 1,
+            "norm_topk_prob": True,
+        }
+        text_config["rope_parameters"] |= {"mrope_interleaved": True, "interleaved": True}
+        # vLLM sizes the learned position grid from image_size / patch_size and asks
+        # apply_vit_abs_pos_embed; transformers' vision config has neither field (it reads
+        # num_position_embeddings), so they ride along as extra keys.
+        vision_config |= {
+            "num_position_embeddings": _QWEN3_OMNI_POSITION_GRID**2,
+            "image_size": _QWEN3_OMNI_POSITION_GRID * spec.patch_size,
+            "apply_vit_abs_pos_embed": True,
+            "deepstack_visual_indexes": [0],
+        }
+        audio_config |= {"downsample_hidden_size": _QWEN3_OMNI_AUDIO_DOWNSAMPLE}
+        top_level = {"im_start_token_id": token_ids["<|im_start|>"], "im_end_token_id": token_ids["<|im_end|>"]}
+    thinker_config |= {"text_config": text_config, "vision_config": vision_config, "audio_config": audio_config}
+    return config_class(
+        thinker_config=thinker_config,
+        enable_audio_output=False,
+        architectures=[spec.architecture],
+        dtype="float32",
+        **top_level,
+    )
+
+
 def _write_processor_configs(out: pathlib.Path, spec: _Family) -> None:
-    """Writes the image, video and processor configs, with small pixel limits."""
+    """Writes the image, video and processor configs, with small pixel limits.
+
+    An Omni family's ``preprocessor_config.json`` also holds its Whisper feature extractor's
+    settings, as in the released checkpoints: transformers reads both the image processor and
+    the feature extractor from that one file, each taking its own keys.
+    """
     shared = {
         "image_mean": spec.image_mean,
         "image_std": spec.image_std,
@@ -689,14 +1029,13 @@ def _write_processor_configs(out: pathlib.Path, spec: _Family) -> None:
         "temporal_patch_size": _TEMPORAL_PATCH,
     }
     # size.shortest_edge / size.longest_edge are pixel counts (min_pixels / max_pixels).
-    _write_json(
-        out / "preprocessor_config.json",
-        shared
-        | {
-            "image_processor_type": "Qwen2VLImageProcessor",
-            "size": {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels},
-        },
-    )
+    image: dict[str, Any] = {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "size": {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels},
+    }
+    if isinstance(spec, _OmniFamily):
+        image |= _whisper_feature_extractor_config(spec.processor_class)
+    _write_json(out / "preprocessor_config.json", shared | image)
     # cap_pixels_per_frame (an extra total-video pixel budget that transformers 5.22 turns on
     # by default) is set off explicitly: that is 5.19's behaviour, and it silences a warning.
     video: dict[str, Any] = {"video_processor_type": spec.video_processor_type, "cap_pixels_per_frame": False}
@@ -718,24 +1057,27 @@ def _write_processor_configs(out: pathlib.Path, spec: _Family) -> None:
 def _write_audio_processor_configs(out: pathlib.Path, spec: _AudioFamily) -> None:
     """Writes the Whisper feature extractor config (the released Qwen2-Audio's settings) and
     the processor config."""
-    _write_json(
-        out / "preprocessor_config.json",
-        {
-            "chunk_length": _AUDIO_CHUNK_SECONDS,
-            "feature_extractor_type": "WhisperFeatureExtractor",
-            "feature_size": _AUDIO_MEL_BINS,
-            "hop_length": _AUDIO_HOP_LENGTH,
-            "n_fft": _AUDIO_N_FFT,
-            "n_samples": _AUDIO_CHUNK_SECONDS * _AUDIO_SAMPLING_RATE,
-            "nb_max_frames": _AUDIO_CHUNK_SECONDS * _AUDIO_SAMPLING_RATE // _AUDIO_HOP_LENGTH,
-            "padding_side": "right",
-            "padding_value": 0.0,
-            "processor_class": spec.processor_class,
-            "return_attention_mask": True,
-            "sampling_rate": _AUDIO_SAMPLING_RATE,
-        },
-    )
+    _write_json(out / "preprocessor_config.json", _whisper_feature_extractor_config(spec.processor_class))
     _write_json(out / "processor_config.json", {"processor_class": spec.processor_class})
+
+
+def _whisper_feature_extractor_config(processor_class: str) -> dict[str, Any]:
+    """The Whisper feature extractor settings of the released Qwen2-Audio: 128 mel bins of
+    10 ms frames, 30 s chunks (the Omni releases use the same, with longer chunks)."""
+    return {
+        "chunk_length": _AUDIO_CHUNK_SECONDS,
+        "feature_extractor_type": "WhisperFeatureExtractor",
+        "feature_size": _AUDIO_MEL_BINS,
+        "hop_length": _AUDIO_HOP_LENGTH,
+        "n_fft": _AUDIO_N_FFT,
+        "n_samples": _AUDIO_CHUNK_SECONDS * _AUDIO_SAMPLING_RATE,
+        "nb_max_frames": _AUDIO_CHUNK_SECONDS * _AUDIO_SAMPLING_RATE // _AUDIO_HOP_LENGTH,
+        "padding_side": "right",
+        "padding_value": 0.0,
+        "processor_class": processor_class,
+        "return_attention_mask": True,
+        "sampling_rate": _AUDIO_SAMPLING_RATE,
+    }
 
 
 def _write_sharded_weights(out: pathlib.Path, config: PreTrainedConfig, num_shards: int, *, seed: int, vision_seed: int) -> None:
@@ -744,8 +1086,11 @@ def _write_sharded_weights(out: pathlib.Path, config: PreTrainedConfig, num_shar
     Tensor names and shapes come from the transformers model built on the meta device (no
     memory, no init), renamed to the on-disk names with the function ``save_pretrained``
     itself uses: Qwen2.5-VL is stored as ``visual.*`` / ``model.*``, Qwen3-VL as
-    ``model.visual.*`` / ``model.language_model.*``, both with ``lm_head.*``. Qwen2-Audio
-    gets the released checkpoint's names instead (see ``_QWEN2_AUDIO_DISK_PREFIXES``).
+    ``model.visual.*`` / ``model.language_model.*``, both with ``lm_head.*``; the Omni
+    thinkers as ``thinker.visual.*`` / ``thinker.audio_tower.*`` / ``thinker.model.*`` /
+    ``thinker.lm_head.*`` (Qwen3-Omni's experts one tensor per expert and projection, as
+    released). Qwen2-Audio and Audio Flamingo 3 get the released checkpoints' names instead
+    (see ``_QWEN2_AUDIO_DISK_PREFIXES``).
     Tensors are drawn one shard at a time, so a bench-scale build holds one shard in memory.
     """
     import safetensors.torch
@@ -755,14 +1100,15 @@ def _write_sharded_weights(out: pathlib.Path, config: PreTrainedConfig, num_shar
 
     with torch.device("meta"):
         model = getattr(transformers, config.architectures[0])(config)
-    if config.model_type == "qwen2_audio":
+    if config.model_type in ("qwen2_audio", "audioflamingo3"):
         shapes = {_qwen2_audio_disk_name(name): tensor for name, tensor in model.state_dict().items()}
     else:
         shapes = revert_weight_conversion(model, model.state_dict())
 
+    num_layers = config.get_text_config().num_hidden_layers
     names_by_shard: dict[int, list[str]] = {index: [] for index in range(1, num_shards + 1)}
     for name in sorted(shapes):
-        names_by_shard[_shard_of(name, config.text_config.num_hidden_layers, num_shards)].append(name)
+        names_by_shard[_shard_of(name, num_layers, num_shards)].append(name)
 
     weight_map: dict[str, str] = {}
     total_size = 0
@@ -782,7 +1128,8 @@ def _write_sharded_weights(out: pathlib.Path, config: PreTrainedConfig, num_shar
 
 
 def _qwen2_audio_disk_name(name: str) -> str:
-    """The released Qwen2-Audio checkpoint's name of a transformers 5 parameter name."""
+    """The released Qwen2-Audio (and Audio Flamingo 3) checkpoint's name of a transformers 5
+    parameter name."""
     for module_prefix, disk_prefix in _QWEN2_AUDIO_DISK_PREFIXES:
         if name.startswith(module_prefix):
             return disk_prefix + name[len(module_prefix) :]
@@ -790,14 +1137,19 @@ def _qwen2_audio_disk_name(name: str) -> str:
 
 
 def _is_tower_tensor(name: str) -> bool:
-    """Whether an on-disk tensor name belongs to the tower: the ``visual.`` submodule, or the
-    audio tower and the projector that maps its output to the LM width."""
-    return "visual" in name.split(".") or name.startswith(_AUDIO_TOWER_PREFIXES)
+    """Whether an on-disk tensor name belongs to the tower: a ``visual`` submodule, or an
+    audio tower and the projector that maps its output to the LM width (an Omni thinker's
+    audio tower ends in its own projection)."""
+    return "visual" in name.split(".") or _is_audio_tower_tensor(name)
+
+
+def _is_audio_tower_tensor(name: str) -> bool:
+    return name.startswith(_AUDIO_TOWER_PREFIXES) or "audio_tower" in name.split(".")
 
 
 def _init_std(name: str) -> float:
     """Std of the normal init of a weight matrix, by role (see ``_TEXT_INIT_STD``)."""
-    if name.startswith(_AUDIO_TOWER_PREFIXES):
+    if _is_audio_tower_tensor(name):
         return _AUDIO_INIT_STD
     if _is_tower_tensor(name):
         return _VISION_INIT_STD
@@ -835,6 +1187,20 @@ def _random_tensor(name: str, shape: tuple[int, ...], *, seed: int, std: float) 
     digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
     generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
     return torch.randn(shape, generator=generator, dtype=torch.float32) * std
+
+
+def _write_empty_speaker_dict(path: pathlib.Path) -> None:
+    """Writes a torch-saved empty dict (no talker voices: the checkpoint has no talker).
+
+    Saved through a buffer: saved to a path, torch names the archive inside after the file,
+    so a staging copy would differ from a direct build."""
+    import io
+
+    import torch
+
+    buffer = io.BytesIO()
+    torch.save({}, buffer)
+    path.write_bytes(buffer.getvalue())
 
 
 def _write_json(path: pathlib.Path, data: Mapping[str, Any]) -> None:

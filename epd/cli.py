@@ -2,91 +2,108 @@
 
 Subcommands: ``encoder``, ``prefill``, ``decode``, ``gateway`` (run one service), ``up`` (the
 whole stack on loopback), ``generate`` (a streaming client) and ``build-checkpoint``.
+
+Service flags are derived from the config dataclasses (``EngineConfig``, ``EncoderConfig``,
+``MediaLimits``, ``ServerConfig``): a flag's name, type and default are its field's.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import pathlib
 import sys
+from collections.abc import Sequence
 
 DEFAULT_CHECKPOINT_ROOT = pathlib.Path("checkpoints")
 DEFAULT_FAMILY = "qwen2_5_vl"
 TINY_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen2_audio")  # what epd.checkpoints builds
 
+# Field groups per service. Flags are --field-name.
+_ENGINE_FIELDS = ("dtype", "max_model_len", "max_num_seqs", "kv_cache_gib", "max_images_per_prompt", "max_videos_per_prompt", "max_audios_per_prompt", "caches", "seed")
+_KV_FIELDS = ("nixl_side_channel_port",)
+_ARENA_FIELDS = ("embedding_transport", "embedding_buffer_bytes", "arena_slot_bytes", "lease_ttl_s")
+_RECEIVE_FIELDS = ("embedding_buffer_bytes", "embedding_read_timeout_s")
+_SERVER_FIELDS = {"port": "port", "metrics_port": "metrics_port", "otlp_endpoint": "otlp_endpoint", "grace_s": "drain_grace_s"}
+_HELP = {
+    "caches": "vLLM's prefix and multimodal processor caches (--no-caches for benchmarks)",
+    "kv_cache_gib": "CPU only: KV cache size",
+    "nixl_side_channel_port": "vLLM NixlConnector side channel; 0 picks one",
+    "embedding_transport": "nixl, or inline (embeddings in the messages: benchmarks, hosts without NIXL)",
+    "embedding_buffer_bytes": "shared buffer of the EC connector: the encoder's arena, a consumer's receive buffer",
+    "arena_slot_bytes": "the arena's allocation unit",
+    "lease_ttl_s": "how long a published embedding waits for its consumer",
+    "embedding_read_timeout_s": "limit on one encoder's NIXL metadata fetch or READ",
+    "queue_timeout_s": "how long an Encode may wait for arena space or the engine before RESOURCE_EXHAUSTED",
+    "max_image_pixels": "per image and per video frame",
+    "max_video_frames": "frames in the source video, before sampling",
+    "max_audio_s": "the model's own window caps it too",
+}
+
+
+def _flags(parser: argparse.ArgumentParser, cls: type, names: Sequence[str]) -> None:
+    """Adds ``--name`` flags for dataclass fields, typed and defaulted by the fields."""
+    defaults = {f.name: f.default for f in dataclasses.fields(cls)}
+    for name in names:
+        default = defaults[name]
+        flag = "--" + name.replace("_", "-")
+        if isinstance(default, bool):
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=_HELP.get(name))
+        else:
+            parser.add_argument(flag, type=type(default), default=default, help=_HELP.get(name))
+
+
+def _values(args: argparse.Namespace, names: Sequence[str]) -> dict:
+    return {name: getattr(args, name) for name in names}
+
 
 def _server_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 inside a pod)")
-    p.add_argument("--port", type=int, default=0, help="gRPC port; 0 picks a free one and prints it")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics on this port")
-    p.add_argument("--otlp-endpoint", default=None, help="export traces over OTLP/gRPC to this endpoint")
-    p.add_argument("--drain-grace-s", type=float, default=5.0, help="on SIGTERM, how long in-flight calls may finish")
+    from epd.server import ServerConfig
+
+    defaults = ServerConfig()
+    p.add_argument("--host", default=defaults.host, help="address to bind (0.0.0.0 inside a pod)")
+    p.add_argument("--port", type=int, default=defaults.port, help="gRPC port; 0 picks a free one and prints it")
+    p.add_argument("--metrics-port", type=int, default=defaults.metrics_port, help="serve Prometheus /metrics on this port")
+    p.add_argument("--otlp-endpoint", default=defaults.otlp_endpoint, help="export traces over OTLP/gRPC to this endpoint")
+    p.add_argument("--drain-grace-s", type=float, default=defaults.grace_s, help="on SIGTERM, how long in-flight calls may finish")
     p.add_argument("--log-level", default="INFO")
 
 
-def _engine_flags(p: argparse.ArgumentParser) -> None:
+def _engine_flags(p: argparse.ArgumentParser, *extra: Sequence[str]) -> None:
+    from epd.engine import EngineConfig
+
     p.add_argument("--model", required=True, help="local checkpoint directory")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--kv-cache-gib", type=int, default=1, help="CPU only: KV cache size")
-    p.add_argument("--max-images-per-prompt", type=int, default=8)
-    p.add_argument("--max-videos-per-prompt", type=int, default=2)
-    p.add_argument("--max-audios-per-prompt", type=int, default=4)
-    p.add_argument("--nixl-side-channel-port", type=int, default=0, help="vLLM NixlConnector side channel; 0 picks one")
-    p.add_argument("--no-caches", action="store_true", help="disable vLLM's prefix and multimodal processor caches (benchmarks)")
+    _flags(p, EngineConfig, [name for group in (_ENGINE_FIELDS, *extra) for name in group])
 
 
 def _media_limit_flags(p: argparse.ArgumentParser) -> None:
     """Limits on media a request may carry; the gateway checks sizes, the decoder the rest."""
     from epd.media import MediaLimits
 
-    d = MediaLimits()
-    p.add_argument("--max-item-bytes", type=int, default=d.max_item_bytes)
-    p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes)
-    p.add_argument("--max-image-pixels", type=int, default=d.max_image_pixels, help="per image and per video frame")
-    p.add_argument("--max-video-frames", type=int, default=d.max_video_frames, help="frames in the source video, before sampling")
-    p.add_argument("--max-audio-s", type=float, default=d.max_audio_s, help="the model's own cap applies too")
-
-
-def _media_limits(args):
-    from epd.media import MediaLimits
-
-    return MediaLimits(args.max_item_bytes, args.max_request_bytes, args.max_image_pixels, args.max_video_frames, args.max_audio_s)
-
-
-def _receive_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--embedding-buffer-bytes", type=int, default=64 * 1024 * 1024, help="NIXL receive buffer, registered once")
-    p.add_argument("--allow-inline-embeddings", action="store_true", help="accept embeddings inline in gRPC (benchmarks)")
+    _flags(p, MediaLimits, [f.name for f in dataclasses.fields(MediaLimits)])
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="epd", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    enc = sub.add_parser("encoder", help="run the encoder service")
+    enc = sub.add_parser("encoder", help="run the encoder service (vLLM encoder-only EC producer)")
     _server_flags(enc)
-    enc.add_argument("--model", required=True)
-    enc.add_argument("--dtype", default="float32")
-    enc.add_argument("--transport", choices=["nixl", "inline"], default="nixl")
-    enc.add_argument("--arena-slot-bytes", type=int, default=256 * 1024)
-    enc.add_argument("--arena-slots", type=int, default=256)
-    enc.add_argument("--lease-ttl-s", type=float, default=60.0)
-    enc.add_argument("--max-batch-items", type=int, default=16)
-    enc.add_argument("--batch-wait-ms", type=float, default=5.0)
+    _engine_flags(enc, _ARENA_FIELDS)
+    _flags(enc, _encoder_config_class(), ["queue_timeout_s"])
     _media_limit_flags(enc)
 
-    pre = sub.add_parser("prefill", help="run the prefill service (KV producer)")
+    pre = sub.add_parser("prefill", help="run the prefill service (EC consumer, KV producer)")
     _server_flags(pre)
-    _engine_flags(pre)
-    _receive_flags(pre)
+    _engine_flags(pre, _KV_FIELDS, _RECEIVE_FIELDS)
+    pre.add_argument("--allow-inline-embeddings", action="store_true", help="accept embeddings inline in gRPC (benchmarks)")
 
     dec = sub.add_parser("decode", help="run the decode service (KV consumer, or combined E+PD)")
     _server_flags(dec)
-    _engine_flags(dec)
-    _receive_flags(dec)
+    _engine_flags(dec, _KV_FIELDS, _RECEIVE_FIELDS)
     dec.add_argument("--mode", choices=["decode", "combined"], default="decode")
+    dec.add_argument("--allow-inline-embeddings", action="store_true", help="combined mode: accept embeddings inline in gRPC (benchmarks)")
 
     gw = sub.add_parser("gateway", help="run the public gateway")
     _server_flags(gw)
@@ -98,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     gw.add_argument(
         "--forward-media",
         action="store_true",
-        help="benchmarks' baseline: also send the media to prefill and decode, which re-derive the layout with the processor",
+        help="benchmarks' baseline: also send every item's media to prefill and decode, which lay it out from the media",
     )
     _media_limit_flags(gw)
 
@@ -128,68 +145,52 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _encoder_config_class():
+    from services.encoder.runner import EncoderConfig
+
+    return EncoderConfig
+
+
 def _server_config(args):
     from epd.server import ServerConfig
 
-    return ServerConfig(
-        host=args.host, port=args.port, metrics_port=args.metrics_port, otlp_endpoint=args.otlp_endpoint, grace_s=args.drain_grace_s
-    )
+    return ServerConfig(host=args.host, **{field: getattr(args, flag) for field, flag in _SERVER_FIELDS.items()})
 
 
-def _engine_config(args):
+def _engine_config(args, *extra: Sequence[str]):
     from epd.engine import EngineConfig
 
-    return EngineConfig(
-        model=args.model,
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        kv_cache_gib=args.kv_cache_gib,
-        max_images_per_prompt=args.max_images_per_prompt,
-        max_videos_per_prompt=args.max_videos_per_prompt,
-        max_audios_per_prompt=args.max_audios_per_prompt,
-        nixl_side_channel_host=args.host if args.host != "0.0.0.0" else "127.0.0.1",
-        nixl_side_channel_port=args.nixl_side_channel_port,
-        caches=not args.no_caches,
-    )
+    # Peers dial the advertised host; a wildcard bind is reachable on loopback at least.
+    advertised = args.host if args.host != "0.0.0.0" else "127.0.0.1"
+    values = _values(args, [name for group in (_ENGINE_FIELDS, *extra) for name in group])
+    return EngineConfig(model=args.model, nixl_side_channel_host=advertised, nixl_listen_host=advertised, **values)
 
 
-def _receive_config(args):
-    from services.engine_server import EmbeddingReceiveConfig
+def _media_limits(args):
+    from epd.media import MediaLimits
 
-    return EmbeddingReceiveConfig(buffer_bytes=args.embedding_buffer_bytes, allow_inline=args.allow_inline_embeddings)
+    return MediaLimits(**_values(args, [f.name for f in dataclasses.fields(MediaLimits)]))
 
 
 def _run_service(args) -> None:
     from epd.server import configure_logging
 
     configure_logging(args.log_level)
+    server = _server_config(args)
     if args.command == "encoder":
         from services.encoder.runner import EncoderConfig
         from services.encoder.server import serve
 
-        config = EncoderConfig(
-            model=args.model,
-            dtype=args.dtype,
-            transport=args.transport,
-            arena_slot_bytes=args.arena_slot_bytes,
-            arena_slots=args.arena_slots,
-            lease_ttl_s=args.lease_ttl_s,
-            max_batch_items=args.max_batch_items,
-            batch_wait_s=args.batch_wait_ms / 1000,
-            nixl_listen_host=args.host if args.host != "0.0.0.0" else "127.0.0.1",
-            limits=_media_limits(args),
-        )
-        asyncio.run(serve(config, _server_config(args)))
+        asyncio.run(serve(_engine_config(args, _ARENA_FIELDS), EncoderConfig(limits=_media_limits(args), queue_timeout_s=args.queue_timeout_s), server))
     elif args.command == "prefill":
         from services.prefill.server import serve
 
-        asyncio.run(serve(_engine_config(args), _receive_config(args), _server_config(args)))
+        asyncio.run(serve(_engine_config(args, _KV_FIELDS, _RECEIVE_FIELDS), server, allow_inline=args.allow_inline_embeddings))
     elif args.command == "decode":
-        from services.decode.server import serve
-        from services.decode.servicer import DecodeMode
+        from services.decode.server import DecodeMode, serve
 
-        asyncio.run(serve(DecodeMode(args.mode), _engine_config(args), _receive_config(args), _server_config(args)))
+        engine = _engine_config(args, _KV_FIELDS, _RECEIVE_FIELDS)
+        asyncio.run(serve(DecodeMode(args.mode), engine, server, allow_inline=args.allow_inline_embeddings))
     else:
         from gateway.pipeline import Mode
         from gateway.server import GatewayConfig, serve
@@ -203,7 +204,7 @@ def _run_service(args) -> None:
             limits=_media_limits(args),
             forward_media=args.forward_media,
         )
-        asyncio.run(serve(config, _server_config(args), _engine_config(args)))
+        asyncio.run(serve(config, server, _engine_config(args)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,10 +6,7 @@ from __future__ import annotations
 import enum
 import hashlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from epd.transport.nixl import NixlRegion
+from typing import Any
 
 
 class Modality(enum.Enum):
@@ -36,12 +33,6 @@ class GridThw:
 
     def as_list(self) -> list[int]:
         return [self.t, self.h, self.w]
-
-
-@dataclass(frozen=True)
-class TokenRange:
-    offset: int
-    length: int
 
 
 @dataclass(frozen=True)
@@ -130,37 +121,74 @@ def content_hash(source: MediaSource, video_sampling: VideoSampling = VideoSampl
 
 
 @dataclass(frozen=True)
+class EngineField:
+    """One per-item metadata value as vLLM keeps it: a small tensor, or a list of numbers."""
+
+    dtype: str  # torch dtype name without the prefix: "int64", "float32", "float64", "bool"
+    shape: tuple[int, ...]  # outermost first; () for a scalar
+    values: tuple[int | float, ...]  # row-major
+    is_list: bool = False  # vLLM holds it as a Python list (Qwen3-VL timestamps), not a tensor
+
+
+@dataclass(frozen=True)
 class ItemMetadata:
-    """What stages after the encoder know about a media item (mirrors ``MultimodalMetadata``)."""
+    """What stages after the encoder know about a media item (mirrors ``MultimodalMetadata``).
+
+    Everything comes from the encoder's vLLM: the typed fields are the well-known ones among
+    the per-item fields it publishes, ``engine_fields`` holds any other, by vLLM's name, and
+    the placeholder fields describe the run vLLM's processor expanded the item into.
+    """
 
     modality: Modality
     content_hash: str
     placeholder_token_id: int
-    placeholder_count: int
+    placeholder_count: int  # prompt positions that take embedding rows (= rows)
+    placeholder_length: int  # tokens of the whole run (a Qwen3-VL video's also holds timestamp text)
     embedding_shape: tuple[int, ...]
     embedding_dtype: str  # torch dtype name without the prefix: "float32", "bfloat16", "float16"
     grid_thw: GridThw | None = None
-    placeholder_range: TokenRange | None = None
     video_timestamps_s: tuple[float, ...] = ()
+    second_per_grid_ts: float | None = None
     audio_feature_length: int = 0
     audio_token_count: int = 0
-    engine_extras: dict[str, Any] = field(default_factory=dict)
+    engine_fields: dict[str, EngineField] = field(default_factory=dict)
+    layout_needs_media: bool = False  # vLLM has no metadata-only layout for this modality here
+
+
+@dataclass(frozen=True)
+class NixlLocation:
+    """Where a producer's NIXL agent holds one published item, for a one-sided READ."""
+
+    agent_name: str
+    agent_address: str  # host:port of the agent's metadata listener
+    descriptors: bytes  # the item's memory, in epd.transport.nixl's versioned format
+    nbytes: int  # the slot header plus the rows
+    lease_id: str  # the consumer's READ notification carries it back
+    expires_at_unix_ms: int  # after this the producer may reuse the memory
 
 
 @dataclass(frozen=True)
 class InlineEmbedding:
-    """Embedding bytes carried in the message (only when explicitly configured)."""
+    """Embedding rows carried in the message (only when explicitly configured)."""
 
     data: bytes
 
 
+EmbeddingLocation = NixlLocation | InlineEmbedding
+
+
 @dataclass(frozen=True)
 class EncodedItem:
-    """An item after the encoder: metadata, plus where its embedding is (None for decode)."""
+    """An item after the encoder: metadata, plus where its embedding is (None for decode).
+
+    ``forwarded_media`` is set when the consumers must see the media themselves: vLLM declares
+    no metadata-only path for the item's modality on this model, or the benchmarks' media-
+    forwarding baseline asks for it.
+    """
 
     metadata: ItemMetadata
-    embedding: NixlRegion | InlineEmbedding | None = None
-    forwarded_media: MediaInput | None = None  # benchmarks' media-forwarding baseline only
+    embedding: EmbeddingLocation | None = None
+    forwarded_media: MediaInput | None = None
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,18 @@
-"""The vLLM engine adapter shared by the prefill, decode and monolithic roles.
+"""The vLLM engine adapter every EPD service runs: encoder, prefill, decode, combined, oracle.
 
-One class wraps ``AsyncLLM`` so that the services speak domain types (``Sampling``,
-``KvHandoff``, ``FinishReason``) and never vLLM's. Which KV-transfer role the engine has is
-fixed at construction: a prefill engine is a NixlConnector producer, a decode engine a
-consumer, and a combined (E+PD) or monolithic engine has no connector at all.
+One class wraps ``AsyncLLM`` so that services speak domain types (``Sampling``, ``KvHandoff``,
+``FinishReason``) and never vLLM's. The role fixes the engine's connectors at construction:
+
+- encoder: EC producer (vLLM switches itself to encoder-only and loads only tower shards);
+- prefill: EC consumer (embeddings from the encoder) and NixlConnector KV producer;
+- decode: NixlConnector KV consumer (metadata-only items, KV from prefill);
+- combined (E+PD): EC consumer;
+- monolithic: no connector; the correctness oracle, given the raw media.
+
+Requests go through two steps, both vLLM's own: :meth:`Engine.render` runs vLLM's multimodal
+processor (expanding placeholders from media or from metadata), then :meth:`Engine.generate`
+submits the rendered input. Anything vLLM rejects in either step is the caller's input, and
+becomes INVALID_ARGUMENT.
 """
 
 from __future__ import annotations
@@ -12,38 +21,57 @@ import dataclasses
 import enum
 import logging
 import os
+import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from epd.domain import FinishReason, KvHandoff, Sampling
-from epd.errors import Unavailable
+from epd.domain import FinishReason, KvHandoff, Modality, Sampling
+from epd.errors import InvalidArgument, Unavailable
 
 logger = logging.getLogger(__name__)
 
 
-class KvRole(enum.Enum):
-    NONE = "none"
-    PRODUCER = "kv_producer"
-    CONSUMER = "kv_consumer"
+class EngineRole(enum.Enum):
+    ENCODER = "encoder"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    COMBINED = "combined"
+    MONOLITHIC = "monolithic"
+
+    @property
+    def ec_role(self) -> str | None:
+        return {EngineRole.ENCODER: "ec_producer", EngineRole.PREFILL: "ec_consumer", EngineRole.COMBINED: "ec_consumer"}.get(self)
+
+    @property
+    def kv_role(self) -> str | None:
+        return {EngineRole.PREFILL: "kv_producer", EngineRole.DECODE: "kv_consumer"}.get(self)
 
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    """Everything that shapes a vLLM engine here. One place; the CLI fills it."""
+    """Everything that shapes a vLLM engine here. One place; the CLI derives its flags from it."""
 
     model: str
-    kv_role: KvRole = KvRole.NONE
+    role: EngineRole = EngineRole.MONOLITHIC
     dtype: str = "float32"
     max_model_len: int = 4096
     max_num_seqs: int = 16
     kv_cache_gib: int = 1  # CPU only: VLLM_CPU_KVCACHE_SPACE
     max_images_per_prompt: int = 8
-    max_videos_per_prompt: int = 2
+    max_videos_per_prompt: int = 2  # vLLM profiles memory for the most items of the largest size
     max_audios_per_prompt: int = 4
-    nixl_side_channel_host: str = "127.0.0.1"
-    nixl_side_channel_port: int = 0  # KV producer/consumer only; 0 means "pick a free port"
     caches: bool = True  # vLLM's prefix cache and multimodal processor cache (off: benchmarks)
     seed: int = 0
+    # KV handoff (vLLM NixlConnector): prefill and decode.
+    nixl_side_channel_host: str = "127.0.0.1"
+    nixl_side_channel_port: int = 0  # 0 picks a free port
+    # Embedding handoff (EPD's EC connector): encoder, prefill and combined.
+    embedding_transport: str = "nixl"  # or "inline": bytes in the messages (benchmarks, hosts without NIXL)
+    embedding_buffer_bytes: int = 64 * 1024 * 1024  # encoder arena / consumer receive buffer
+    arena_slot_bytes: int = 64 * 1024
+    lease_ttl_s: float = 60.0
+    nixl_listen_host: str = "127.0.0.1"  # the host consumers dial for the encoder's NIXL metadata
+    embedding_read_timeout_s: float = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +83,16 @@ class EngineStep:
     prompt_token_count: int
     finish_reason: FinishReason | None
     kv_handoff: KvHandoff | None = None
+    ec_transfer_params: dict[str, Any] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RenderedPrompt:
+    """A prompt after vLLM's processor: expanded, with each item's place."""
+
+    engine_input: Any  # vLLM's EngineInput, handed back to generate()
+    token_count: int
+    placeholders: list[tuple[str, int, int]]  # (modality, run length, embedding rows) in prompt order
 
 
 _FINISH = {
@@ -63,15 +101,7 @@ _FINISH = {
     "abort": FinishReason.ABORT,
     "repetition": FinishReason.STOP,
 }
-_KV_TYPED_KEYS = (
-    "remote_engine_id",
-    "remote_block_ids",
-    "remote_host",
-    "remote_port",
-    "remote_request_id",
-    "remote_num_tokens",
-    "tp_size",
-)
+_KV_TYPED_KEYS = ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port", "remote_request_id", "remote_num_tokens", "tp_size")
 # Per-request flags that the decode side sets itself; they never travel.
 _KV_ROLE_FLAGS = ("do_remote_prefill", "do_remote_decode")
 
@@ -81,108 +111,194 @@ class Engine:
 
     def __init__(self, config: EngineConfig):
         self.config = config
+        self.engine_id = f"{config.role.value}-{uuid.uuid4().hex[:12]}"
         self._llm = None
+        self._modalities: frozenset[Modality] = frozenset()
 
     def start(self) -> None:
         """Loads the model (seconds to minutes). Call before serving."""
+        from epd.compat.vllm_metadata import install
+
+        install()
         _configure_vllm_environment(self.config)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        config = self.config
         kwargs: dict[str, Any] = {}
-        if self.config.kv_role is not KvRole.NONE:
-            kwargs["kv_transfer_config"] = {
-                "kv_connector": "NixlConnector",
-                "kv_role": self.config.kv_role.value,
-                "kv_buffer_device": "cpu",
-            }
-        if not self.config.caches:
-            kwargs.update(enable_prefix_caching=False, mm_processor_cache_gb=0)
+        if config.role.kv_role is not None:
+            kwargs["kv_transfer_config"] = {"kv_connector": "NixlConnector", "kv_role": config.role.kv_role, "kv_buffer_device": "cpu"}
+        if config.role.ec_role is not None:
+            kwargs["ec_transfer_config"] = self._ec_transfer_config()
+        if not config.caches or config.role is EngineRole.ENCODER:
+            # An encoder publishes each item's processed fields from the engine core, so they must
+            # always reach it (the processor cache would send cached items without them).
+            kwargs.update(mm_processor_cache_gb=0)
+        if not config.caches:
+            kwargs.update(enable_prefix_caching=False)
         args = AsyncEngineArgs(
-            model=self.config.model,
-            dtype=self.config.dtype,
-            max_model_len=self.config.max_model_len,
-            max_num_seqs=self.config.max_num_seqs,
+            model=config.model,
+            dtype=config.dtype,
+            max_model_len=config.max_model_len,
+            max_num_seqs=config.max_num_seqs,
             enforce_eager=True,
-            seed=self.config.seed,
-            limit_mm_per_prompt=self._mm_limits(),
-            # Items arrive as precomputed embeddings (prefill, combined) or as grid-only
-            # metadata (decode); both are "embedding" inputs to vLLM's processor.
-            enable_mm_embeds=True,
-            # vLLM's own Prometheus metrics (vllm:kv_cache_usage_perc, vllm:num_requests_running,
-            # ...) join ours on the service's /metrics endpoint.
+            seed=config.seed,
+            limit_mm_per_prompt={"image": config.max_images_per_prompt, "video": config.max_videos_per_prompt, "audio": config.max_audios_per_prompt},
+            # Decode gets metadata-only items; prefill and combined also accept them (vLLM turns
+            # this on for EC and KV consumers by itself).
+            enable_mm_embeds=config.role is not EngineRole.ENCODER,
+            # vLLM's own Prometheus metrics (vllm:kv_cache_usage_perc, ...) join ours.
             disable_log_stats=False,
+            **_executor_kwargs(),
             **kwargs,
         )
         self._llm = AsyncLLM.from_engine_args(args)
-
-    def _mm_limits(self) -> dict[str, int]:
-        """Per-prompt item limits for every modality the model has. Modalities EPD does not
-        serve for this family get 0, so vLLM neither accepts nor profiles them (an unset
-        modality would default to 999 items)."""
-        from epd.domain import Modality
-        from epd.models import load_family
-
-        family = load_family(self.config.model)
-        per_modality = {
-            Modality.IMAGE: self.config.max_images_per_prompt,
-            Modality.VIDEO: self.config.max_videos_per_prompt,
-            Modality.AUDIO: self.config.max_audios_per_prompt,
-        }
-        return {m.value: per_modality[m] if m in family.supported_modalities else 0 for m in family.model_modalities}
+        limits = self._processing_info().allowed_mm_limits if self._llm.model_config.is_multimodal_model else {}
+        self._modalities = frozenset(Modality(m) for m, limit in limits.items() if limit > 0 and m in Modality._value2member_map_)
 
     def shutdown(self) -> None:
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
 
+    @property
+    def alive(self) -> bool:
+        """False once the engine core has died; the service must then stop serving."""
+        return self._llm is not None and not self._llm.errored
+
+    @property
+    def modalities(self) -> frozenset[Modality]:
+        """Media kinds the model takes."""
+        return self._modalities
+
+    def connector_counters(self) -> dict[str, Any]:
+        """Live counters of the EC connector (the encoder's arena, a consumer's receive buffer),
+        read from the buffer the engine process shares with this one: callables, for gauges."""
+        if self.config.role.ec_role is None:
+            return {}
+        from epd.transport.arena import ARENA_COUNTERS, SharedCounters
+        from epd.transport.ec_consumer import RECEIVE_COUNTERS
+        from epd.transport.shared_buffer import SharedBuffer
+
+        producer = self.config.role is EngineRole.ENCODER
+        buffer = SharedBuffer.attach(f"{self.engine_id}-{'arena' if producer else 'receive'}")
+        counters = SharedCounters(buffer.tensor, ARENA_COUNTERS if producer else RECEIVE_COUNTERS)
+        return {name: (lambda name=name: counters.get(name)) for name in (ARENA_COUNTERS if producer else RECEIVE_COUNTERS)}
+
+    def metadata_fields(self, modality: Modality) -> frozenset[str]:
+        """The per-item fields this model declares as placeholder metadata for ``modality``:
+        what a metadata-only item must carry. Empty when vLLM has no metadata-only path."""
+        return frozenset(self._processing_info().data_parser.placeholder_metadata_fields(modality.value))
+
+    async def render(self, prompt: dict[str, Any], field: str) -> RenderedPrompt:
+        """Runs vLLM's processor on a prompt dict (token ids, multimodal data and uuids).
+
+        Raises:
+            InvalidArgument: vLLM rejected the prompt or its items (``field`` is blamed).
+        """
+        try:
+            (engine_input,) = await self._llm.renderer.render_cmpl_async([prompt])
+        except Exception as exc:  # vLLM's processor raises ValueError, AssertionError, RuntimeError...
+            raise InvalidArgument.for_field(field, f"the model's processor rejected it: {exc}") from exc
+        placeholders = []
+        for modality, ranges in engine_input.get("mm_placeholders", {}).items():
+            placeholders += [(r.offset, modality, r.length, r.get_num_embeds()) for r in ranges]
+        return RenderedPrompt(engine_input, len(engine_input["prompt_token_ids"]), [p[1:] for p in sorted(placeholders)])
+
     async def generate(
         self,
         request_id: str,
-        prompt: dict[str, Any],
+        prompt: RenderedPrompt,
         sampling: Sampling,
         *,
         kv_params: dict[str, Any] | None = None,
+        ec_params: dict[str, Any] | None = None,
         max_tokens: int | None = None,
     ) -> AsyncIterator[EngineStep]:
-        """Streams the request's output as deltas; aborts it in the engine if the caller stops."""
+        """Streams the request's output as deltas; aborts it in the engine if the caller stops.
+
+        Raises:
+            InvalidArgument: vLLM refused the request (sampling values, prompt too long).
+            Unavailable: the engine failed the request (e.g. embeddings or KV could not be read).
+        """
         from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
 
         max_tokens = max_tokens or sampling.max_tokens
-        params = SamplingParams(
-            max_tokens=max_tokens,
-            min_tokens=min(sampling.min_tokens, max_tokens),
-            temperature=1.0 if sampling.temperature is None else sampling.temperature,
-            top_p=1.0 if sampling.top_p is None else sampling.top_p,
-            top_k=0 if sampling.top_k in (None, -1) else sampling.top_k,
-            seed=sampling.seed,
-            stop=list(sampling.stop) or None,
-            output_kind=RequestOutputKind.DELTA,
-            extra_args={"kv_transfer_params": kv_params} if kv_params else None,
-        )
-        finished = False
+        extra_args = {}
+        if kv_params:
+            extra_args["kv_transfer_params"] = kv_params
+        if ec_params:
+            extra_args["ec_transfer_params"] = ec_params
         try:
-            async for output in self._llm.generate(prompt, params, request_id):
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                min_tokens=min(sampling.min_tokens, max_tokens),
+                temperature=1.0 if sampling.temperature is None else sampling.temperature,
+                top_p=1.0 if sampling.top_p is None else sampling.top_p,
+                top_k=0 if sampling.top_k in (None, -1) else sampling.top_k,
+                seed=sampling.seed,
+                stop=list(sampling.stop) or None,
+                output_kind=RequestOutputKind.DELTA,
+                extra_args=extra_args or None,
+            )
+        except (VLLMClientError, ValueError) as exc:
+            raise InvalidArgument.for_field(getattr(exc, "parameter", None) and f"sampling.{exc.parameter}" or "sampling", str(exc)) from exc
+        finished = False
+        outputs = self._llm.generate(prompt.engine_input, params, request_id)
+        try:
+            async for output in outputs:
                 completion = output.outputs[0]
                 finished = output.finished
                 reason = None
                 if finished:
                     reason = _FINISH.get(str(completion.finish_reason))
                     if reason is None:
-                        # vLLM's "error": a request-level engine failure such as a KV load
-                        # that did not complete. Retryable, and never a silent empty reply.
+                        # vLLM's "error": the engine failed this request alone, e.g. an embedding
+                        # or KV load that did not complete. Retryable, never a silent empty reply.
                         raise Unavailable(f"engine failed request {request_id} (finish reason {completion.finish_reason!r})")
                 yield EngineStep(
                     token_ids=list(completion.token_ids),
                     text=completion.text,
                     prompt_token_count=len(output.prompt_token_ids or ()),
                     finish_reason=reason,
-                    kv_handoff=kv_handoff_from_engine(output.kv_transfer_params) if output.finished else None,
+                    kv_handoff=kv_handoff_from_engine(output.kv_transfer_params) if finished else None,
+                    ec_transfer_params=output.ec_transfer_params if finished else None,
                 )
+        except VLLMClientError as exc:
+            field = f"sampling.{exc.parameter}" if getattr(exc, "parameter", None) in {"temperature", "top_p", "top_k", "max_tokens", "min_tokens", "seed", "stop"} else "messages"
+            raise InvalidArgument.for_field(field, str(exc)) from exc
         finally:
             if not finished:
                 await self._llm.abort(request_id)
+
+    def _ec_transfer_config(self) -> dict[str, Any]:
+        from epd.transport.ec_connector import ConnectorConfig
+
+        config = self.config
+        connector = ConnectorConfig(
+            engine_id=self.engine_id,
+            transport=config.embedding_transport,
+            buffer_bytes=config.embedding_buffer_bytes,
+            slot_bytes=config.arena_slot_bytes,
+            lease_ttl_s=config.lease_ttl_s,
+            listen_host=config.nixl_listen_host,
+            read_timeout_s=config.embedding_read_timeout_s,
+        )
+        return {
+            "ec_connector": "EpdECConnector",
+            "ec_connector_module_path": "epd.transport.ec_connector",
+            "ec_role": config.role.ec_role,
+            "ec_buffer_device": "cpu",
+            "engine_id": self.engine_id,
+            "ec_connector_extra_config": connector.extra_config(),
+        }
+
+    def _processing_info(self):
+        from vllm.multimodal import MULTIMODAL_REGISTRY
+
+        return MULTIMODAL_REGISTRY.create_processor(self._llm.model_config).info
 
 
 def kv_params_for_prefill() -> dict[str, Any]:
@@ -227,6 +343,21 @@ def kv_handoff_from_engine(params: dict[str, Any] | None) -> KvHandoff | None:
     )
 
 
+def _executor_kwargs() -> dict[str, Any]:
+    """On CPU, run the worker inside the engine-core process.
+
+    vLLM's CPU platform otherwise spawns one more process per engine, which re-imports vLLM:
+    about 13 s of start-up on a loaded 2-core host, for nothing, since we bind no OMP threads
+    (``VLLM_CPU_OMP_THREADS_BIND=nobind``). Greedy tokens are the same either way.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return {}
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read in the engine core, which we still spawn
+    return {"distributed_executor_backend": "uni"}
+
+
 def _configure_vllm_environment(config: EngineConfig) -> None:
     """vLLM reads these knobs only from the environment, so set them right before it starts.
 
@@ -235,7 +366,7 @@ def _configure_vllm_environment(config: EngineConfig) -> None:
     """
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    if config.kv_role is not KvRole.NONE:
+    if config.role.kv_role is not None:
         os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = config.nixl_side_channel_host
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(config.nixl_side_channel_port or _free_port(config.nixl_side_channel_host))
 
@@ -246,3 +377,4 @@ def _free_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+

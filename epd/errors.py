@@ -60,6 +60,12 @@ class Unimplemented(EpdError):
     code = grpc.StatusCode.UNIMPLEMENTED
 
 
+class Internal(EpdError):
+    """A bug or a broken invariant inside EPD or an engine; never the caller's fault."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
 class DeadlineExceeded(EpdError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 

@@ -174,21 +174,21 @@ def up_cli(args) -> int:
 
 
 async def _demo(address: str, model: str) -> int:
-    """One streamed request with media the model takes: an image, plus a clip for Qwen3-VL, or
-    a tone for Qwen2-Audio."""
+    """One streamed request with media the model's processor takes: an image, a clip and a
+    tone, as it has an image processor, a video processor and an audio feature extractor."""
+    from transformers import AutoProcessor
+
     from epd.client import generate_cli
-    from epd.domain import Modality
-    from epd.models import load_family
     from epd.testing import sine_wav, synthetic_image_png, synthetic_video
 
-    modalities = load_family(model).supported_modalities
+    processor = AutoProcessor.from_pretrained(model)
     folder = pathlib.Path(tempfile.mkdtemp())
     files = []
-    if Modality.IMAGE in modalities:
+    if getattr(processor, "image_processor", None) is not None:
         files.append((folder / "demo.png", synthetic_image_png(160, 120, seed=1)))
-    if Modality.VIDEO in modalities:
+    if getattr(processor, "video_processor", None) is not None:
         files.append((folder / "demo.mp4", synthetic_video(96, 64, 24, fps=8.0, seed=2)))
-    if Modality.AUDIO in modalities:
+    if getattr(processor, "feature_extractor", None) is not None:
         files.append((folder / "demo.wav", sine_wav(1.5, seed=3)))
     for path, data in files:
         path.write_bytes(data)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import inspect
 import json
 import logging
 import signal
@@ -98,6 +99,12 @@ class GrpcHost:
     async def wait_for_termination(self) -> None:
         await self._stop.wait()
 
+    async def set_dead(self) -> None:
+        """Readiness and liveness NOT_SERVING: the process can no longer serve and should be
+        restarted (a Kubernetes liveness probe does that)."""
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING, liveness=True)
+
     async def stop(self) -> None:
         """Drains: readiness off first, then stop accepting and let streams finish."""
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -115,3 +122,57 @@ def configure_logging(level: str = "INFO") -> None:
         stream=sys.stderr,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+
+
+_ENGINE_WATCH_S = 1.0
+
+
+async def run_service(host: GrpcHost, engine=None, *, on_ready=None, on_stop=None) -> None:
+    """The lifecycle every EPD service shares, in one place.
+
+    Listen first (liveness SERVING, readiness NOT_SERVING), start the engine off the event loop,
+    call ``on_ready(engine)`` (the servicer takes its runner), then report SERVING until SIGTERM.
+    Readiness follows the engine: if its core dies, the service reports NOT_SERVING (liveness
+    too, so an orchestrator restarts it) instead of failing every request while looking
+    healthy. Shutdown drains the server, then calls ``on_stop()``, then stops the engine.
+    """
+    await host.start()
+    try:
+        if engine is not None:
+            await asyncio.to_thread(engine.start)
+            _bind_engine_gauges(engine)
+        if on_ready is not None:
+            on_ready(engine)
+        await host.set_ready()
+        await _serve_until_stopped(host, engine)
+    finally:
+        await host.stop()
+        if on_stop is not None and inspect.isawaitable(stopped := on_stop()):
+            await stopped
+        if engine is not None:
+            engine.shutdown()
+
+
+async def _serve_until_stopped(host: GrpcHost, engine) -> None:
+    stopped = asyncio.create_task(host.wait_for_termination())
+    while engine is not None and not stopped.done():
+        await asyncio.wait([stopped], timeout=_ENGINE_WATCH_S)
+        if not engine.alive:
+            logger.error("%s: the vLLM engine died; reporting NOT_SERVING until restarted", host.service_name)
+            await host.set_dead()
+            break
+    await stopped
+
+
+def _bind_engine_gauges(engine) -> None:
+    counters = engine.connector_counters()
+    bindings = {
+        "leases": telemetry.ARENA_LEASES,
+        "free_slots": telemetry.ARENA_FREE_SLOTS,
+        "items": telemetry.RECEIVE_ITEMS,
+        "free_pages": telemetry.RECEIVE_FREE_PAGES,
+        "failed_loads": telemetry.EMBEDDING_LOAD_FAILURES,
+    }
+    for name, read in counters.items():
+        if name in bindings:
+            bindings[name].set_function(read)

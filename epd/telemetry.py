@@ -27,12 +27,16 @@ TPOT_SECONDS = Histogram("epd_tpot_seconds", "Mean time per output token after t
 ITL_SECONDS = Histogram("epd_itl_seconds", "Inter-token latency between streamed deltas", buckets=_LATENCY_BUCKETS)
 E2EL_SECONDS = Histogram("epd_e2el_seconds", "End-to-end request latency, seen by the gateway", buckets=_LATENCY_BUCKETS)
 IN_FLIGHT = Gauge("epd_requests_in_flight", "Requests being served", ["service"])
-ENCODER_BATCH_ITEMS = Histogram(
-    "epd_encoder_batch_items", "Media items per encoder forward pass (one modality each)", ["modality"], buckets=(1, 2, 4, 8, 16, 32, 64)
+ENCODER_ITEMS = Counter("epd_encoder_items_total", "Media items encoded, by modality", ["modality"])
+ENCODER_SECONDS = Histogram(
+    "epd_encoder_seconds", "Encode call time (decode, vLLM processor and tower), per item, by modality", ["modality"], buckets=_LATENCY_BUCKETS
 )
-ARENA_LEASES = Gauge("epd_arena_leases", "Live embedding leases in the encoder's NIXL arena")
-NIXL_READ_SECONDS = Histogram("epd_nixl_read_seconds", "Embedding fetch time over NIXL, per request", buckets=_LATENCY_BUCKETS)
-NIXL_READ_BYTES = Counter("epd_nixl_read_bytes_total", "Embedding bytes read over NIXL")
+# Read at scrape time from the EC connector's shared buffer (the engine process keeps them).
+ARENA_LEASES = Gauge("epd_arena_leases", "Live embedding leases in the encoder's arena")
+ARENA_FREE_SLOTS = Gauge("epd_arena_free_slots", "Arena slots not held by a lease")
+RECEIVE_ITEMS = Gauge("epd_receive_buffer_items", "Encoder outputs held in this engine's receive buffer")
+RECEIVE_FREE_PAGES = Gauge("epd_receive_buffer_free_pages", "Free pages of this engine's embedding receive buffer")
+EMBEDDING_LOAD_FAILURES = Gauge("epd_embedding_load_failures", "Embedding loads that failed since the engine started")
 
 
 def configure_tracing(service_name: str, otlp_endpoint: str | None) -> None:

@@ -10,7 +10,9 @@ from google.protobuf import json_format, timestamp_pb2
 
 from epd.domain import (
     ChatMessage,
+    EmbeddingLocation,
     EncodedItem,
+    EngineField,
     EngineRequest,
     FinishReason,
     GenerateRequest,
@@ -21,18 +23,17 @@ from epd.domain import (
     MediaFile,
     MediaInput,
     Modality,
+    NixlLocation,
     PcmAudio,
     PcmEncoding,
     Role,
     Sampling,
     TextPart,
-    TokenRange,
     VideoFrames,
     VideoSampling,
     content_hash,
 )
 from epd.errors import FieldViolation, InvalidArgument
-from epd.transport.nixl import NixlRegion
 from epd.v1 import (
     common_pb2,
     decode_pb2,
@@ -275,24 +276,44 @@ def media_items_from_wire(items) -> list[MediaInput]:
 # ---- metadata and handles ---------------------------------------------------------------
 
 
+_FIELD_DTYPES = {
+    "int64": multimodal_pb2.FIELD_DTYPE_INT64,
+    "int32": multimodal_pb2.FIELD_DTYPE_INT32,
+    "bool": multimodal_pb2.FIELD_DTYPE_BOOL,
+    "float32": multimodal_pb2.FIELD_DTYPE_FLOAT32,
+    "float64": multimodal_pb2.FIELD_DTYPE_FLOAT64,
+}
+_FIELD_DTYPES_FROM_WIRE = {v: k for k, v in _FIELD_DTYPES.items()}
+_FLOAT_FIELD_DTYPES = frozenset({"float32", "float64"})
+
+
 def metadata_to_wire(meta: ItemMetadata) -> multimodal_pb2.MultimodalMetadata:
     msg = multimodal_pb2.MultimodalMetadata(
         modality=_MODALITY_TO_WIRE[meta.modality],
         content_hash=meta.content_hash,
         placeholder_token_id=meta.placeholder_token_id,
         placeholder_count=meta.placeholder_count,
+        placeholder_length=meta.placeholder_length,
         video_timestamps_s=list(meta.video_timestamps_s),
         audio_feature_length=meta.audio_feature_length,
         audio_token_count=meta.audio_token_count,
         embedding_shape=list(meta.embedding_shape),
         embedding_dtype=_DTYPE_TO_WIRE[meta.embedding_dtype],
+        layout_needs_media=meta.layout_needs_media,
     )
     if meta.grid_thw is not None:
         msg.grid_thw.CopyFrom(multimodal_pb2.GridThw(t=meta.grid_thw.t, h=meta.grid_thw.h, w=meta.grid_thw.w))
-    if meta.placeholder_range is not None:
-        msg.placeholder_range.CopyFrom(multimodal_pb2.TokenRange(offset=meta.placeholder_range.offset, length=meta.placeholder_range.length))
-    if meta.engine_extras:
-        msg.engine_extras.update(meta.engine_extras)
+    if meta.second_per_grid_ts is not None:
+        msg.second_per_grid_ts = meta.second_per_grid_ts
+    for name, value in meta.engine_fields.items():
+        field = msg.engine_fields[name]
+        field.dtype = _FIELD_DTYPES[value.dtype]
+        field.shape.extend(value.shape)
+        field.is_list = value.is_list
+        if value.dtype in _FLOAT_FIELD_DTYPES:
+            field.float_values.extend(float(v) for v in value.values)
+        else:
+            field.int_values.extend(int(v) for v in value.values)
     return msg
 
 
@@ -304,6 +325,19 @@ def metadata_from_wire(msg: multimodal_pb2.MultimodalMetadata, field: str) -> It
         violations.append(FieldViolation(f"{field}.embedding_dtype", "must be set"))
     if not msg.content_hash:
         violations.append(FieldViolation(f"{field}.content_hash", "is required"))
+    if len(msg.embedding_shape) != 2 or msg.placeholder_count != (msg.embedding_shape[0] if msg.embedding_shape else -1):
+        violations.append(FieldViolation(f"{field}.embedding_shape", f"must be [rows, width] with rows = placeholder_count ({msg.placeholder_count})"))
+    engine_fields = {}
+    for name, value in msg.engine_fields.items():
+        dtype = _FIELD_DTYPES_FROM_WIRE.get(value.dtype)
+        values = tuple(value.float_values) if dtype in _FLOAT_FIELD_DTYPES else tuple(value.int_values)
+        expected = 1
+        for dim in value.shape:
+            expected *= dim
+        if dtype is None or len(values) != expected or (value.is_list and len(value.shape) != 1):
+            violations.append(FieldViolation(f"{field}.engine_fields[{name!r}]", "needs a dtype and exactly as many values as its shape holds"))
+            continue
+        engine_fields[name] = EngineField(dtype, tuple(value.shape), values, value.is_list)
     if violations:
         raise InvalidArgument("invalid multimodal metadata", violations)
     return ItemMetadata(
@@ -311,18 +345,20 @@ def metadata_from_wire(msg: multimodal_pb2.MultimodalMetadata, field: str) -> It
         content_hash=msg.content_hash,
         placeholder_token_id=msg.placeholder_token_id,
         placeholder_count=msg.placeholder_count,
+        placeholder_length=msg.placeholder_length,
         embedding_shape=tuple(msg.embedding_shape),
         embedding_dtype=_DTYPE_FROM_WIRE[msg.embedding_dtype],
         grid_thw=GridThw(msg.grid_thw.t, msg.grid_thw.h, msg.grid_thw.w) if msg.HasField("grid_thw") else None,
-        placeholder_range=TokenRange(msg.placeholder_range.offset, msg.placeholder_range.length) if msg.HasField("placeholder_range") else None,
         video_timestamps_s=tuple(msg.video_timestamps_s),
+        second_per_grid_ts=msg.second_per_grid_ts if msg.HasField("second_per_grid_ts") else None,
         audio_feature_length=msg.audio_feature_length,
         audio_token_count=msg.audio_token_count,
-        engine_extras=json_format.MessageToDict(msg.engine_extras) if msg.HasField("engine_extras") else {},
+        engine_fields=engine_fields,
+        layout_needs_media=msg.layout_needs_media,
     )
 
 
-def _handle_to_wire(location) -> multimodal_pb2.EmbeddingHandle:
+def _handle_to_wire(location: EmbeddingLocation) -> multimodal_pb2.EmbeddingHandle:
     if isinstance(location, InlineEmbedding):
         return multimodal_pb2.EmbeddingHandle(inline=multimodal_pb2.InlineEmbedding(data=location.data))
     expires = timestamp_pb2.Timestamp()
@@ -339,13 +375,13 @@ def _handle_to_wire(location) -> multimodal_pb2.EmbeddingHandle:
     )
 
 
-def _handle_from_wire(msg: multimodal_pb2.EmbeddingHandle):
+def _handle_from_wire(msg: multimodal_pb2.EmbeddingHandle) -> EmbeddingLocation | None:
     kind = msg.WhichOneof("transport")
     if kind == "inline":
         return InlineEmbedding(msg.inline.data)
     if kind == "nixl":
         n = msg.nixl
-        return NixlRegion(
+        return NixlLocation(
             agent_name=n.agent_name,
             agent_address=n.agent_address,
             descriptors=n.descriptors,

@@ -21,7 +21,16 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from epd.checkpoints import ALL_FAMILIES, AUDIO_FAMILIES, FAMILIES, build_tiny_checkpoint, ensure_tiny_checkpoint
+from epd.checkpoints import (
+    ALL_FAMILIES,
+    AUDIO_FAMILIES,
+    FAMILIES,
+    MODALITIES,
+    NON_QWEN_FAMILIES,
+    OMNI_FAMILIES,
+    build_tiny_checkpoint,
+    ensure_tiny_checkpoint,
+)
 from epd.testing import noise_samples, sine_samples
 
 NEW_TOKENS = 16
@@ -29,6 +38,10 @@ IMAGE_SIZE = (200, 150)  # (width, height): a few dozen placeholder tokens
 MESSAGES = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Describe this picture."}]}]
 AUDIO_MESSAGES = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "What is this sound?"}]}]
 AUDIO_RATE = 16000
+# Families with an image, video and audio mix of their own (see MODALITIES); checked by the
+# "multimodal" tests below rather than the image-only and Qwen2-Audio ones above them.
+MULTIMODAL_FAMILIES = OMNI_FAMILIES + NON_QWEN_FAMILIES
+VIDEO_FRAMES = 4  # at 2 fps: two temporal patches
 
 
 def synthetic_image(seed: int) -> Image.Image:
@@ -45,6 +58,21 @@ def synthetic_clip(seed: int) -> np.ndarray:
     if seed == 0:
         return sine_samples(1.3, AUDIO_RATE, 330.0, seed=seed)
     return noise_samples(0.8 + 0.4 * seed, AUDIO_RATE, seed=seed)
+
+
+def synthetic_video(seed: int) -> tuple[np.ndarray, dict[str, Any]]:
+    """Seeded noise frames ``[T, H, W, 3]`` and the metadata vLLM takes with pre-sampled frames
+    (as in ``epd.media.video.DecodedVideo.vllm_input``)."""
+    frames = np.random.default_rng(seed).integers(0, 256, size=(VIDEO_FRAMES, IMAGE_SIZE[1], IMAGE_SIZE[0], 3), dtype=np.uint8)
+    metadata = {
+        "total_num_frames": VIDEO_FRAMES,
+        "fps": 2.0,
+        "duration": VIDEO_FRAMES / 2.0,
+        "frames_indices": list(range(VIDEO_FRAMES)),
+        "video_backend": "opencv",
+        "do_sample_frames": False,
+    }
+    return frames, metadata
 
 
 def file_bytes(directory: pathlib.Path) -> dict[str, bytes]:
@@ -157,7 +185,10 @@ def test_ensure_reuses_and_repairs(tmp_path: pathlib.Path) -> None:
 def test_unknown_family_is_rejected(tmp_path: pathlib.Path) -> None:
     with pytest.raises(ValueError, match="unknown family"):
         build_tiny_checkpoint("llava", tmp_path)
-    assert ALL_FAMILIES == FAMILIES + AUDIO_FAMILIES == ("qwen2_5_vl", "qwen3_vl", "qwen2_audio")
+    assert FAMILIES + AUDIO_FAMILIES == ("qwen2_5_vl", "qwen3_vl", "qwen2_audio")
+    assert ALL_FAMILIES == FAMILIES + AUDIO_FAMILIES + OMNI_FAMILIES + NON_QWEN_FAMILIES
+    assert OMNI_FAMILIES == ("qwen2_5_omni", "qwen3_omni_moe") and NON_QWEN_FAMILIES == ("audioflamingo3",)
+    assert set(MODALITIES) == set(ALL_FAMILIES)
 
 
 def test_audio_tower_has_a_shard_of_its_own(audio_checkpoint: pathlib.Path) -> None:
@@ -368,6 +399,229 @@ def test_transformers_loads_processes_and_generates_audio(audio_checkpoint: path
     assert first != second, "the audio does not influence the output"
 
 
+# --- Omni thinkers and Audio Flamingo 3 -------------------------------------------------
+
+# On-disk name prefixes, as in the released checkpoints (vLLM maps them onto its modules):
+# the tower's, which alone fill shard 1, and the language model's.
+TOWER_PREFIXES = {
+    "qwen2_5_omni": ("thinker.visual.", "thinker.audio_tower."),
+    "qwen3_omni_moe": ("thinker.visual.", "thinker.audio_tower."),
+    "audioflamingo3": ("audio_tower.", "multi_modal_projector."),
+}
+LM_PREFIXES = {
+    "qwen2_5_omni": ("thinker.model.", "thinker.lm_head."),
+    "qwen3_omni_moe": ("thinker.model.", "thinker.lm_head."),
+    "audioflamingo3": ("language_model.model.", "language_model.lm_head."),
+}
+# What each family's chat template puts in place of an image, video or audio content part.
+PLACEHOLDERS = {
+    "qwen2_5_omni": {
+        "image": "<|vision_bos|><|IMAGE|><|vision_eos|>",
+        "video": "<|vision_bos|><|VIDEO|><|vision_eos|>",
+        "audio": "<|audio_bos|><|AUDIO|><|audio_eos|>",
+    },
+    "qwen3_omni_moe": {
+        "image": "<|vision_start|><|image_pad|><|vision_end|>",
+        "video": "<|vision_start|><|video_pad|><|vision_end|>",
+        "audio": "<|audio_start|><|audio_pad|><|audio_end|>",
+    },
+    "audioflamingo3": {"audio": "<sound>"},
+}
+TOWER_SHARD = "model-00001-of-00003.safetensors"
+
+
+@pytest.fixture(scope="module")
+def multimodal_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
+    root = tmp_path_factory.mktemp("multimodal-checkpoints")
+    return {family: ensure_tiny_checkpoint(family, root) for family in MULTIMODAL_FAMILIES}
+
+
+def released_name(name: str) -> str:
+    """The on-disk name of an Audio Flamingo 3 parameter in transformers 5: stored like
+    Qwen2-Audio (``language_model.model.*``, no outer ``model.``)."""
+    for module_prefix, disk_prefix in (
+        ("model.audio_tower.", "audio_tower."),
+        ("model.multi_modal_projector.", "multi_modal_projector."),
+        ("model.language_model.", "language_model.model."),
+        ("lm_head.", "language_model.lm_head."),
+    ):
+        if name.startswith(module_prefix):
+            return disk_prefix + name[len(module_prefix) :]
+    return name
+
+
+def multimodal_messages(modalities: tuple[str, ...] | list[str]) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": [{"type": m} for m in modalities] + [{"type": "text", "text": "Describe this."}]}]
+
+
+@pytest.mark.parametrize("family", MULTIMODAL_FAMILIES)
+def test_multimodal_tower_is_alone_in_shard_1(multimodal_checkpoints: dict[str, pathlib.Path], family: str) -> None:
+    from safetensors import safe_open
+
+    directory = multimodal_checkpoints[family]
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    mapping = index["weight_map"]
+    tower_prefixes, lm_prefixes = TOWER_PREFIXES[family], LM_PREFIXES[family]
+    for prefix in tower_prefixes + lm_prefixes:
+        assert any(name.startswith(prefix) for name in mapping), prefix
+    assert all(name.startswith(tower_prefixes + lm_prefixes) for name in mapping)
+    tower = {name for name in mapping if name.startswith(tower_prefixes)}
+    # Shard 1 holds the whole tower and nothing else, so encoder-only engines skip the rest.
+    assert {name for name, shard in mapping.items() if shard == TOWER_SHARD} == tower
+    assert len(set(mapping.values())) == 3
+    if family == "qwen3_omni_moe":
+        # Experts one tensor each, as released and as vLLM's loader expects; four of them.
+        experts = {name.split(".")[6] for name in mapping if ".mlp.experts." in name}
+        assert experts == {"0", "1", "2", "3"}
+        assert "thinker.model.layers.1.mlp.experts.3.gate_proj.weight" in mapping
+    total = 0
+    for shard in sorted(set(mapping.values())):
+        with safe_open(directory / shard, framework="pt") as f:
+            assert set(f.keys()) == {name for name, where in mapping.items() if where == shard}
+            for name in f.keys():
+                tensor = f.get_tensor(name)
+                assert str(tensor.dtype) == "torch.float32", name
+                total += tensor.numel() * tensor.element_size()
+    assert index["metadata"]["total_size"] == total
+    assert total < 8 * 2**20
+
+
+@pytest.mark.parametrize("family", MULTIMODAL_FAMILIES)
+def test_multimodal_build_is_deterministic_and_seeds_the_tower_alone(
+    multimodal_checkpoints: dict[str, pathlib.Path], family: str, tmp_path: pathlib.Path
+) -> None:
+    base = file_bytes(multimodal_checkpoints[family])
+    assert file_bytes(build_tiny_checkpoint(family, tmp_path / "again")) == base
+    other_tower = file_bytes(build_tiny_checkpoint(family, tmp_path / "v1", seed=0, vision_seed=1))
+    assert sorted(other_tower) == sorted(base)
+    assert {name for name, data in base.items() if other_tower[name] != data} == {TOWER_SHARD}
+    assert ("video_preprocessor_config.json" in base) == ("video" in MODALITIES[family])
+
+
+def media_item(modality: str, seed: int) -> Any:
+    """A seeded test item of ``modality`` as vLLM takes it."""
+    if modality == "image":
+        return synthetic_image(seed)
+    if modality == "audio":
+        return (synthetic_clip(seed), AUDIO_RATE)
+    return synthetic_video(seed)
+
+
+def hf_inputs(processor: Any, text: str, modality: str, seed: int) -> Any:
+    """The processor's model inputs for ``text`` with one seeded item of ``modality``."""
+    if modality == "image":
+        return processor(text=[text], images=[synthetic_image(seed)], return_tensors="pt")
+    if modality == "audio":
+        return processor(text=[text], audio=[synthetic_clip(seed)], sampling_rate=AUDIO_RATE, return_tensors="pt")
+    frames, metadata = synthetic_video(seed)
+    video_metadata = {key: metadata[key] for key in ("fps", "total_num_frames", "frames_indices")}
+    return processor(text=[text], videos=[frames], video_metadata=[video_metadata], do_sample_frames=False, return_tensors="pt")
+
+
+def hf_greedy_multimodal(directory: pathlib.Path) -> dict[str, dict[str, list[int]]]:
+    """Expanded prompt ids and NEW_TOKENS greedy tokens, from transformers, per request
+    ``"<modality>-<seed>"``: one item of each of the family's modalities, seeds 0 and 1."""
+    import torch
+    import transformers
+    from transformers import AutoConfig, AutoProcessor
+
+    processor = AutoProcessor.from_pretrained(directory)
+    config = AutoConfig.from_pretrained(directory)
+    model = getattr(transformers, config.architectures[0]).from_pretrained(directory).eval()
+    model = getattr(model, "thinker", model)  # an Omni model generates text with its thinker
+    results = {}
+    for modality in MODALITIES[config.model_type]:
+        text = processor.apply_chat_template(multimodal_messages([modality]), tokenize=False, add_generation_prompt=True)
+        for seed in (0, 1):
+            inputs = hf_inputs(processor, text, modality, seed)
+            with torch.no_grad():
+                generated = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+            prompt_len = inputs["input_ids"].shape[1]
+            results[f"{modality}-{seed}"] = {
+                "prompt_token_ids": inputs["input_ids"][0].tolist(),
+                "token_ids": generated[0, prompt_len:].tolist(),
+            }
+    return results
+
+
+@pytest.mark.parametrize("family", MULTIMODAL_FAMILIES)
+def test_multimodal_transformers_loads_processes_and_generates(multimodal_checkpoints: dict[str, pathlib.Path], family: str) -> None:
+    import transformers
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoProcessor, AutoTokenizer
+
+    directory = multimodal_checkpoints[family]
+    config = AutoConfig.from_pretrained(directory)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    processor = AutoProcessor.from_pretrained(directory)
+    text_config = config.get_text_config()
+    assert config.model_type == family
+    assert text_config.vocab_size == len(tokenizer)
+    assert text_config.hidden_size == 128 and text_config.num_hidden_layers == 2
+    assert not text_config.tie_word_embeddings
+    assert type(processor).__name__ == json.loads((directory / "processor_config.json").read_text())["processor_class"]
+    assert type(processor.feature_extractor).__name__ == "WhisperFeatureExtractor"
+    assert processor.feature_extractor.sampling_rate == AUDIO_RATE
+    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+    token_id = tokenizer.convert_tokens_to_ids
+    if family in OMNI_FAMILIES:
+        thinker = config.thinker_config
+        assert not config.enable_audio_output
+        # The processor reads its placeholders from tokenizer attributes (extra_special_tokens).
+        image, video, audio = (PLACEHOLDERS[family][m] for m in ("image", "video", "audio"))
+        assert image == processor.vision_bos_token + processor.image_token + processor.vision_eos_token
+        assert video == processor.vision_bos_token + processor.video_token + processor.vision_eos_token
+        assert audio == processor.audio_bos_token + processor.audio_token + processor.audio_eos_token
+        assert thinker.image_token_id == token_id(processor.image_token)
+        assert thinker.video_token_id == token_id(processor.video_token)
+        assert thinker.audio_token_id == token_id(processor.audio_token)
+        assert thinker.audio_start_token_id == token_id(processor.audio_bos_token)
+        assert thinker.audio_end_token_id == token_id(processor.audio_eos_token)
+        assert thinker.vision_start_token_id == token_id(processor.vision_bos_token)
+        assert type(processor.image_processor).__name__ == "Qwen2VLImageProcessor"
+        assert type(processor.video_processor).__name__ == "Qwen2VLVideoProcessor"
+        if family == "qwen3_omni_moe":
+            vision = thinker.vision_config
+            # What vLLM sizes its position grid from, consistent with transformers' count.
+            assert vision.apply_vit_abs_pos_embed
+            assert (vision.image_size // vision.patch_size) ** 2 == vision.num_position_embeddings
+            assert (text_config.num_experts, text_config.num_experts_per_tok) == (4, 2)
+    else:
+        assert config.audio_token_id == processor.audio_token_id == token_id("<sound>")
+
+    expected_parts = "".join(PLACEHOLDERS[family][m] for m in MODALITIES[family])
+    for render in (processor.apply_chat_template, tokenizer.apply_chat_template):
+        text = render(multimodal_messages(MODALITIES[family]), tokenize=False, add_generation_prompt=True)
+        assert text == (
+            "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+            f"<|im_start|>user\n{expected_parts}Describe this.<|im_end|>\n"
+            "<|im_start|>assistant\n"
+        )
+
+    # Every parameter is read from the checkpoint (none left at a fresh init). Qwen3-Omni's
+    # experts are fused in memory; save_pretrained's own conversion splits them again.
+    model = getattr(transformers, config.architectures[0]).from_pretrained(directory)
+    if family in OMNI_FAMILIES:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        state = revert_weight_conversion(model, model.state_dict())
+    else:
+        state = {released_name(name): tensor for name, tensor in model.state_dict().items()}
+    mapping = weight_map(directory)
+    assert set(state) == set(mapping)
+    for shard in sorted(set(mapping.values())):
+        with safe_open(directory / shard, framework="pt") as f:
+            for name in f.keys():
+                assert bool((state[name] == f.get_tensor(name)).all()), name
+
+    results = hf_greedy_multimodal(directory)
+    for modality in MODALITIES[family]:
+        first, second = results[f"{modality}-0"]["token_ids"], results[f"{modality}-1"]["token_ids"]
+        assert len(first) == NEW_TOKENS
+        assert len(set(first)) > 3, f"{modality}: greedy output barely varies: {first}"
+        assert first != second, f"the {modality} does not influence the output"
+
+
 # --- vLLM ------------------------------------------------------------------------------
 
 
@@ -412,6 +666,25 @@ def test_vllm_matches_transformers_greedy_audio(audio_checkpoint: pathlib.Path, 
     assert vllm_result["token_ids"] == hf_outputs
 
 
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+@pytest.mark.parametrize("family", MULTIMODAL_FAMILIES)
+def test_multimodal_vllm_matches_transformers_greedy(multimodal_checkpoints: dict[str, pathlib.Path], family: str, tmp_path: pathlib.Path) -> None:
+    directory = multimodal_checkpoints[family]
+    result_file = tmp_path / "vllm.json"
+    # In-process engine: starts much faster than a spawned one on a loaded 2-core box.
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    run = subprocess.run([sys.executable, __file__, str(directory), str(result_file)], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    vllm_result = json.loads(result_file.read_text())
+
+    hf_result = hf_greedy_multimodal(directory)
+    assert sorted(vllm_result) == sorted(hf_result)
+    for request, expected in hf_result.items():
+        # Same prompt after placeholder expansion, then the same greedy tokens (float32).
+        assert vllm_result[request]["prompt_token_ids"] == expected["prompt_token_ids"], request
+        assert vllm_result[request]["token_ids"] == expected["token_ids"], request
+
+
 def vllm_greedy(directory: str) -> dict[str, Any]:
     """Prompt ids and NEW_TOKENS greedy tokens per test image, from vLLM."""
     from transformers import AutoProcessor
@@ -449,10 +722,42 @@ def vllm_greedy_audio(directory: str) -> dict[str, Any]:
     }
 
 
+def vllm_greedy_multimodal(directory: str) -> dict[str, Any]:
+    """What :func:`hf_greedy_multimodal` returns, from vLLM given the raw media and the
+    tokenized (not yet expanded) chat prompt."""
+    from transformers import AutoConfig, AutoTokenizer
+    from vllm import LLM, SamplingParams
+
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    modalities = MODALITIES[AutoConfig.from_pretrained(directory).model_type]
+    llm = LLM(
+        model=directory,
+        max_model_len=4096,
+        enforce_eager=True,
+        limit_mm_per_prompt={modality: 1 for modality in modalities},
+        dtype="float32",
+    )
+    names, requests = [], []
+    for modality in modalities:
+        text = tokenizer.apply_chat_template(multimodal_messages([modality]), tokenize=False, add_generation_prompt=True)
+        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+        for seed in (0, 1):
+            names.append(f"{modality}-{seed}")
+            requests.append({"prompt_token_ids": prompt_ids, "multi_modal_data": {modality: media_item(modality, seed)}})
+    outputs = llm.generate(requests, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True), use_tqdm=False)
+    return {
+        name: {"prompt_token_ids": list(out.prompt_token_ids), "token_ids": list(out.outputs[0].token_ids)}
+        for name, out in zip(names, outputs, strict=True)
+    }
+
+
 if __name__ == "__main__":
     checkpoint_dir, result_path = sys.argv[1:3]
     model_type = json.loads((pathlib.Path(checkpoint_dir) / "config.json").read_text())["model_type"]
-    worker = vllm_greedy_audio if model_type in AUDIO_FAMILIES else vllm_greedy
+    if model_type in MULTIMODAL_FAMILIES:
+        worker = vllm_greedy_multimodal
+    else:
+        worker = vllm_greedy_audio if model_type in AUDIO_FAMILIES else vllm_greedy
     pathlib.Path(result_path).write_text(json.dumps(worker(checkpoint_dir)))
 
 

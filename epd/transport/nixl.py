@@ -1,531 +1,332 @@
-"""Embedding transport over NIXL: a producer-side arena of leased slots, a consumer-side fetcher.
+"""The NIXL transport: a publisher that exposes a producer's arena, a reader that READs from it.
 
-The encoder copies each embedding into an :class:`EmbeddingArena` (one buffer, registered with
-NIXL once at startup) and hands the returned :class:`NixlRegion` to the prefill service, which
-READs it one-sidedly with an :class:`EmbeddingFetcher`. The READ carries a NIXL notification
-listing the lease ids it consumed; the arena frees those slots on its next
-:meth:`EmbeddingArena.reap`. Leases that nobody consumes are freed once they expire.
+Both are driven by polling, never by blocking: they run inside vLLM's scheduler loop (see
+:mod:`epd.transport.ec_connector`), where a wait on one slow or forged peer would stall every
+request of the engine.
 
-Agent metadata is exchanged through NIXL's peer-to-peer side channel. Every agent runs NIXL's
-metadata listener thread. The arena's listener port is advertised in
-:attr:`NixlRegion.agent_address`; the first time a fetcher sees a producer agent it asks that
-listener for the agent's metadata and then keeps it, until a READ from that agent fails. The
-fetcher's own listener port is never advertised: NIXL needs the thread only because it runs the
-outgoing metadata requests on it.
+Agent metadata is exchanged through NIXL's peer-to-peer side channel. The publisher's agent
+runs the metadata listener at the address every location advertises; the first time a reader
+sees a producer agent it asks that listener for the agent's metadata, then keeps it until a
+READ from that agent fails or the agent shows up at another address (it restarted).
 
-Clocks: :attr:`NixlRegion.expires_at_unix_ms` is wall-clock time, because it crosses processes
-and hosts; the arena itself frees slots on a monotonic deadline that falls no earlier. A fetcher
-refuses regions that expire within its ``expiry_margin_s``, since a READ that races the producer
-freeing and reusing the slot would return another item's bytes. Across hosts, the margin must
-also cover clock skew.
+Descriptors travel in this module's own format (a version byte, then packed rows), not NIXL's
+``get_serialized_descs``, which is a pickle: a consumer would otherwise unpickle bytes that
+arrived over the network.
 """
 
 from __future__ import annotations
 
-import asyncio
+import concurrent.futures
+import dataclasses
 import ipaddress
-import itertools
 import logging
 import socket
 import struct
-import threading
 import time
-import uuid
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Hashable, Sequence
 
 import torch
 
+from epd.domain import NixlLocation
 from epd.transport._agent import NixlAgent, Row
-from epd.transport._slots import SlotAllocator
-from epd.transport.errors import ArenaFullError, TransferError
-
-__all__ = [
-    "ArenaFullError",
-    "EmbeddingArena",
-    "EmbeddingFetcher",
-    "NixlRegion",
-    "TransferError",
-]
+from epd.transport.arena import Lease
+from epd.transport.errors import TransferError
 
 logger = logging.getLogger(__name__)
 
-# NixlRegion.descriptors format: a version byte, then one packed row per contiguous range. Our
-# own format rather than NIXL's get_serialized_descs, which is a pickle: consumers would be
-# unpickling bytes that arrived over the network.
 _DESCRIPTORS_VERSION = 1
 _DESCRIPTOR_ROW = struct.Struct("<QQI")  # address, length, device id
-
 # A lease id list travels as one notification message, ids joined by this separator.
 _LEASE_SEPARATOR = ","
-
-# Hint given with ArenaFullError; leases normally end by notification within milliseconds.
-_RETRY_HINT_S = 0.05
-# Attempts at starting the arena's listener on a port we picked (see _start_listening_agent).
 _PORT_ATTEMPTS = 5
 
-# The fetcher's receive buffer is handed out in pages; each region in a fetch starts aligned.
-_PAGE_BYTES = 4096
-_REGION_ALIGN = 64
-# Polling: spin (yielding to the event loop) this long, which covers most READs, then sleep.
-_SPIN_S = 0.001
-_POLL_S = 0.001
-_METADATA_POLL_S = 0.002
 
+class NixlPublisher:
+    """Producer side: one agent with a metadata listener, the arena buffer registered once."""
 
-@dataclass(frozen=True)
-class NixlRegion:
-    """Where one leased embedding lives; travels inside EmbeddingHandle (protobuf).
-
-    All fields are plain types so the service can copy them into and out of protobuf.
-
-    Attributes:
-        agent_name: The producer's NIXL agent name.
-        agent_address: ``host:port`` of the producer agent's NIXL metadata listener.
-        descriptors: The producer memory holding exactly this embedding, in this module's
-            serialized descriptor format.
-        nbytes: Size of the embedding in bytes.
-        lease_id: Identifies the lease; the consumer's READ notification returns it.
-        expires_at_unix_ms: Wall-clock time after which the producer may reuse the memory.
-    """
-
-    agent_name: str
-    agent_address: str
-    descriptors: bytes
-    nbytes: int
-    lease_id: str
-    expires_at_unix_ms: int
-
-
-@dataclass(slots=True)
-class _Lease:
-    first_slot: int
-    num_slots: int
-    deadline: float  # time.monotonic()
-
-
-class EmbeddingArena:
-    """Producer side: one buffer registered once at startup, split into fixed-size slots.
-
-    An item that needs more than one slot takes a contiguous run of slots, so every region is a
-    single NIXL descriptor. All methods are thread-safe. The arena owns its agent's notification
-    queue: :meth:`reap` consumes every notification and treats each as a list of lease ids.
-    Its agent runs a UCX progress thread, which READs of the arena depend on; it sleeps while
-    idle (about 3% of a core, measured).
-    """
-
-    def __init__(
-        self,
-        *,
-        agent_name: str,
-        slot_bytes: int,
-        num_slots: int,
-        lease_ttl_s: float,
-        listen_host: str = "127.0.0.1",
-        listen_port: int = 0,
-    ) -> None:
-        """Allocates and registers the arena and starts the agent's metadata listener.
-
-        Args:
-            agent_name: NIXL agent name, unique among the agents its consumers talk to.
-            slot_bytes: Size of one slot.
-            num_slots: Number of slots; the arena holds ``slot_bytes * num_slots`` bytes.
-            lease_ttl_s: How long a published region stays readable if nobody consumes it.
-            listen_host: Host consumers should dial for metadata; it goes into every region's
-                ``agent_address``. NIXL's listener binds all interfaces regardless.
-            listen_port: Listener port. 0 picks a free one (see :func:`_start_listening_agent`).
-
-        Raises:
-            ValueError: If a size or the TTL is not positive.
-            RuntimeError: If NIXL cannot start, e.g. ``listen_port`` is taken.
-        """
-        if slot_bytes <= 0 or num_slots <= 0 or lease_ttl_s <= 0:
-            raise ValueError("slot_bytes, num_slots and lease_ttl_s must be positive")
-        self._slot_bytes = slot_bytes
-        self._ttl_s = lease_ttl_s
-        self._slots = SlotAllocator(num_slots)
-        self._leases: dict[str, _Lease] = {}  # insertion order is expiry order: one TTL for all
-        self._lock = threading.Lock()
-        self._agent: NixlAgent | None
+    def __init__(self, buffer: torch.Tensor, *, agent_name: str, listen_host: str, listen_port: int = 0) -> None:
         self._agent, port = _start_listening_agent(agent_name, listen_port)
-        self._address = f"{listen_host}:{port}"
-        self._buffer = torch.empty(slot_bytes * num_slots, dtype=torch.uint8)
-        self._base_address = self._buffer.data_ptr()
-        self._registration = self._agent.register(self._buffer)
+        self.agent_name = agent_name
+        self.address = f"{listen_host}:{port}"
+        self._base = buffer.data_ptr()
+        self._registration = self._agent.register(buffer)
 
-    @property
-    def agent_address(self) -> str:
-        """The ``host:port`` advertised in every region."""
-        return self._address
-
-    @property
-    def leased_count(self) -> int:
-        """Number of live leases."""
-        with self._lock:
-            return len(self._leases)
-
-    @property
-    def free_slots(self) -> int:
-        """Number of slots not held by a lease."""
-        with self._lock:
-            return self._slots.free_slots
-
-    def publish(self, tensor: torch.Tensor) -> NixlRegion:
-        """Copies a tensor's bytes into free slots and leases them.
-
-        Args:
-            tensor: Any tensor; its bytes are copied in row-major order (made contiguous first).
-
-        Returns:
-            The region a consumer passes to :meth:`EmbeddingFetcher.fetch`.
-
-        Raises:
-            ArenaFullError: If no run of free slots is large enough right now, even after
-                reaping consumed and expired leases.
-            ValueError: If the tensor is empty or larger than the whole arena.
-            RuntimeError: If the arena is closed.
-        """
-        agent = self._require_open()
-        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        nbytes = data.numel()
-        if not 0 < nbytes <= self._slot_bytes * self._slots.num_slots:
-            raise ValueError(
-                f"a {nbytes}-byte tensor can never fit an arena of "
-                f"{self._slots.num_slots} x {self._slot_bytes}-byte slots"
-            )
-        num_slots = -(-nbytes // self._slot_bytes)
-        # Read the wall clock before the lease takes its monotonic deadline, so that the
-        # advertised expiry never falls after the moment the arena may free the slots.
-        expires_at_unix_ms = time.time_ns() // 1_000_000 + int(self._ttl_s * 1000)
-        leased = self._try_lease(num_slots)
-        if leased is None:
-            self.reap()  # consumers may have finished since the service's last periodic reap
-            leased = self._try_lease(num_slots)
-        if leased is None:
-            raise ArenaFullError(
-                f"no run of {num_slots} free slots (free: {self.free_slots})",
-                retry_after_s=self._retry_hint(),
-            )
-        lease_id, first_slot = leased
-        offset = first_slot * self._slot_bytes
-        try:
-            self._buffer[offset : offset + nbytes].copy_(data)
-        except BaseException:
-            self.release(lease_id)
-            raise
-        return NixlRegion(
-            agent_name=agent.name,
-            agent_address=self._address,
-            descriptors=_encode_descriptors([(self._base_address + offset, nbytes, 0)]),
-            nbytes=nbytes,
-            lease_id=lease_id,
-            expires_at_unix_ms=expires_at_unix_ms,
+    def location(self, lease: Lease, expires_at_unix_s: float) -> NixlLocation:
+        """How a consumer reaches a published lease: exactly its header and rows."""
+        return NixlLocation(
+            agent_name=self.agent_name,
+            agent_address=self.address,
+            descriptors=encode_descriptors([(self._base + lease.offset, lease.nbytes, 0)]),
+            nbytes=lease.nbytes,
+            lease_id=lease.lease_id,
+            expires_at_unix_ms=int(expires_at_unix_s * 1000),
         )
 
-    def reap(self) -> int:
-        """Frees leases whose READ notification arrived or whose expiry passed.
-
-        Cheap enough to call every few milliseconds.
-
-        Returns:
-            How many leases were freed.
-        """
-        agent = self._agent
-        if agent is None:
-            return 0
-        notifications = agent.take_notifications()
-        now = time.monotonic()
-        with self._lock:
-            freed = 0
-            for messages in notifications.values():
-                for message in messages:
-                    for lease_id in message.decode("ascii", "replace").split(_LEASE_SEPARATOR):
-                        freed += self._end_lease(lease_id)
-            expired = [
-                lease_id
-                for lease_id, _ in itertools.takewhile(
-                    lambda item: item[1].deadline <= now, self._leases.items()
-                )
-            ]
-            for lease_id in expired:
-                freed += self._end_lease(lease_id)
-        return freed
-
-    def release(self, lease_id: str) -> None:
-        """Frees a lease now, e.g. because its request was aborted. Unknown ids are ignored."""
-        with self._lock:
-            self._end_lease(lease_id)
+    def ended_leases(self) -> list[str]:
+        """Lease ids that consumers READ, or that their owner released, since the last call."""
+        ended: list[str] = []
+        for messages in self._agent.take_notifications().values():
+            for message in messages:
+                ended += [lease for lease in message.decode("ascii", "replace").split(_LEASE_SEPARATOR) if lease]
+        return ended
 
     def close(self) -> None:
-        """Deregisters the arena and stops the agent. Idempotent; live leases are dropped."""
-        with self._lock:
-            agent, self._agent = self._agent, None
-            self._leases.clear()
-        if agent is not None:
-            agent.deregister(self._registration)
-
-    def _require_open(self) -> NixlAgent:
-        agent = self._agent
-        if agent is None:
-            raise RuntimeError("the embedding arena is closed")
-        return agent
-
-    def _try_lease(self, num_slots: int) -> tuple[str, int] | None:
-        with self._lock:
-            first_slot = self._slots.alloc(num_slots)
-            if first_slot is None:
-                return None
-            lease_id = uuid.uuid4().hex
-            self._leases[lease_id] = _Lease(first_slot, num_slots, time.monotonic() + self._ttl_s)
-            return lease_id, first_slot
-
-    def _end_lease(self, lease_id: str) -> int:
-        """Frees one lease's slots; returns 1 if it was live, else 0. Caller holds the lock."""
-        lease = self._leases.pop(lease_id, None)
-        if lease is None:
-            return 0
-        self._slots.free(lease.first_slot, lease.num_slots)
-        return 1
-
-    def _retry_hint(self) -> float:
-        with self._lock:
-            oldest = next(iter(self._leases.values()), None)
-        if oldest is None:
-            return _RETRY_HINT_S
-        return min(_RETRY_HINT_S, max(oldest.deadline - time.monotonic(), 0.0))
+        self._agent.deregister(self._registration)
 
 
-@dataclass(frozen=True, slots=True)
-class _PlannedRead:
-    region: NixlRegion
-    remote: list[Row]
-    offset: int  # into this fetch's share of the receive buffer
+@dataclasses.dataclass(frozen=True)
+class Read:
+    """One item to READ: from ``location`` into the reader's buffer at ``offset``."""
+
+    key: Hashable
+    location: NixlLocation
+    offset: int
 
 
-class EmbeddingFetcher:
-    """Consumer side: one receive buffer registered once at startup, reused for every fetch.
+@dataclasses.dataclass
+class _Peer:
+    address: str
+    resolving: concurrent.futures.Future | None = None
+    requested_at: float | None = None  # when metadata was asked for; None until then
+    ready: bool = False
+    queued: list[Read] = dataclasses.field(default_factory=list)
+    releases: list[str] = dataclasses.field(default_factory=list)
 
-    Concurrent :meth:`fetch` calls on one event loop run their READs in parallel: each call
-    takes its own run of pages of the receive buffer, and waits for pages to come free when
-    the buffer is full. Peer metadata is fetched once per producer agent and cached. The agent
-    has no progress thread: a fetch drives its READs by polling them from the event loop.
+
+@dataclasses.dataclass
+class _Transfer:
+    peer: str
+    handle: int
+    keys: list[Hashable]
+    started: float
+
+
+class NixlReader:
+    """Consumer side: one agent, one registered buffer, one batched READ per producer per call.
+
+    :meth:`submit` queues reads and posts them as soon as the producer's metadata is loaded;
+    :meth:`poll` progresses metadata fetches and transfers and reports finished reads. A read
+    fails (never blocks) when its lease is about to expire, the producer cannot be reached, or
+    the READ errs or outlives ``timeout_s``.
     """
 
-    def __init__(
-        self,
-        *,
-        agent_name: str,
-        buffer_bytes: int,
-        timeout_s: float = 10.0,
-        expiry_margin_s: float = 0.5,
-    ) -> None:
-        """Allocates and registers the receive buffer and starts the agent.
-
-        Args:
-            agent_name: NIXL agent name, unique among the producers' peers.
-            buffer_bytes: Receive buffer size; bounds the total size of one fetch.
-            timeout_s: Limit on one fetch: metadata, waiting for buffer space and the READs.
-            expiry_margin_s: Regions expiring sooner than this are refused rather than read.
-
-        Raises:
-            ValueError: If ``buffer_bytes`` or ``timeout_s`` is not positive.
-        """
-        if buffer_bytes <= 0 or timeout_s <= 0:
-            raise ValueError("buffer_bytes and timeout_s must be positive")
+    def __init__(self, buffer: torch.Tensor, *, agent_name: str, timeout_s: float = 10.0, expiry_margin_s: float = 0.5) -> None:
+        self._agent = NixlAgent(agent_name, listen_port=0, progress_thread=False)
+        self._base = buffer.data_ptr()
+        self._registration = self._agent.register(buffer)
         self._timeout_s = timeout_s
         self._expiry_margin_ms = int(expiry_margin_s * 1000)
-        self._pages = SlotAllocator(-(-buffer_bytes // _PAGE_BYTES))
-        self._space_freed = asyncio.Event()
-        self._peers: dict[str, str] = {}  # agent name -> address its metadata came from
-        self._peer_locks: dict[str, asyncio.Lock] = {}
-        self._agent: NixlAgent | None = NixlAgent(
-            agent_name, listen_port=0, progress_thread=False
-        )
-        self._buffer = torch.empty(self._pages.num_slots * _PAGE_BYTES, dtype=torch.uint8)
-        self._base_address = self._buffer.data_ptr()
-        self._registration = self._agent.register(self._buffer)
+        self._peers: dict[str, _Peer] = {}
+        self._transfers: list[_Transfer] = []
+        self._finished: list[tuple[Hashable, str | None]] = []
+        self._resolver = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nixl-resolve")
 
-    async def fetch(self, regions: Sequence[NixlRegion]) -> list[torch.Tensor]:
-        """Reads regions, one batched READ per producer agent, and ends their leases.
+    @property
+    def busy(self) -> bool:
+        """Whether any read or release is still in progress."""
+        return bool(self._transfers) or any(p.queued or p.releases for p in self._peers.values())
 
-        Args:
-            regions: Regions from :meth:`EmbeddingArena.publish`, from any number of producers.
-
-        Returns:
-            One flat ``torch.uint8`` tensor per region, in order, holding a copy of its bytes.
-
-        Raises:
-            TransferError: If a lease has expired or is about to, a producer is unreachable,
-                a READ fails, or the fetch times out. The fetcher stays usable.
-            ValueError: If a region is malformed or the regions together exceed the buffer.
-            RuntimeError: If the fetcher is closed.
-        """
-        agent = self._require_open()
-        if not regions:
-            return []
-        reads, total_bytes = _plan_reads(regions)
-        num_pages = -(-total_bytes // _PAGE_BYTES)
-        if num_pages > self._pages.num_slots:
-            raise ValueError(
-                f"{total_bytes} bytes of regions exceed the {self._buffer.numel()}-byte buffer"
-            )
-        self._check_leases(regions)  # fail fast, before contacting producers
-        by_peer: dict[str, list[_PlannedRead]] = {}
+    def submit(self, reads: Sequence[Read]) -> None:
         for read in reads:
-            by_peer.setdefault(read.region.agent_name, []).append(read)
-        deadline = asyncio.get_running_loop().time() + self._timeout_s
-        await asyncio.gather(
-            *(
-                self._ensure_peer(agent, peer, peer_reads[0].region.agent_address, deadline)
-                for peer, peer_reads in by_peer.items()
-            )
-        )
-        first_page = await self._reserve_pages(num_pages, deadline)
-        start = first_page * _PAGE_BYTES
-        handles: list[tuple[str, int]] = []
-        try:
-            self._check_leases(regions)  # the waits above may have run a lease down
-            for peer, peer_reads in by_peer.items():
-                handles.append((peer, self._post_read(agent, peer, peer_reads, start)))
-            await self._wait_done(agent, handles, deadline)
-            received = self._buffer[start : start + total_bytes]
-            return [
-                received[read.offset : read.offset + read.region.nbytes].clone() for read in reads
-            ]
-        finally:
-            self._finish(agent, handles, first_page, num_pages)
+            self._peer(read.location).queued.append(read)
+
+    def release(self, location: NixlLocation) -> None:
+        """Ends a lease without reading it (its item is already here)."""
+        self._peer(location).releases.append(location.lease_id)
+
+    def poll(self) -> list[tuple[Hashable, str | None]]:
+        """Progresses everything once; returns (key, error or None) for reads that ended."""
+        now = time.monotonic()
+        for name, peer in list(self._peers.items()):
+            self._progress_peer(name, peer, now)
+        self._progress_transfers(now)
+        finished, self._finished = self._finished, []
+        return finished
 
     def close(self) -> None:
-        """Deregisters the buffer and stops the agent. Idempotent; no fetch may be running."""
-        agent, self._agent = self._agent, None
-        if agent is not None:
-            agent.deregister(self._registration)
+        for transfer in self._transfers:
+            self._release_handle(transfer)
+        self._transfers.clear()
+        self._resolver.shutdown(wait=False, cancel_futures=True)
+        self._agent.deregister(self._registration)
 
-    def _require_open(self) -> NixlAgent:
-        agent = self._agent
-        if agent is None:
-            raise RuntimeError("the embedding fetcher is closed")
-        return agent
+    # ---- internals ----------------------------------------------------------------------
 
-    def _check_leases(self, regions: Sequence[NixlRegion]) -> None:
-        cutoff_ms = time.time_ns() // 1_000_000 + self._expiry_margin_ms
-        for region in regions:
-            if region.expires_at_unix_ms <= cutoff_ms:
-                raise TransferError(
-                    f"lease {region.lease_id} from agent {region.agent_name!r} has expired "
-                    f"or expires within {self._expiry_margin_ms} ms"
-                )
+    def _peer(self, location: NixlLocation) -> _Peer:
+        peer = self._peers.get(location.agent_name)
+        if peer is not None and peer.address != location.agent_address:
+            # A known agent at a new address has restarted: its old metadata is stale.
+            self._fail_peer(location.agent_name, peer, f"agent {location.agent_name!r} moved to {location.agent_address}")
+            peer = None
+        if peer is None:
+            peer = self._peers[location.agent_name] = _Peer(location.agent_address)
+        return peer
 
-    async def _ensure_peer(
-        self, agent: NixlAgent, peer: str, address: str, deadline: float
-    ) -> None:
-        """Loads ``peer``'s metadata from its listener at ``address`` unless already cached."""
-        if self._peers.get(peer) == address:
-            return
-        async with self._peer_locks.setdefault(peer, asyncio.Lock()):
-            if self._peers.get(peer) == address:
+    def _progress_peer(self, name: str, peer: _Peer, now: float) -> None:
+        if not peer.ready:
+            if not self._load_metadata(name, peer, now):
                 return
-            # A known agent at a new address has restarted; its old metadata is stale.
-            self._forget_peer(agent, peer)
-            ip, port = await _resolve_ipv4(address)
-            agent.request_metadata(peer, ip, port)
-            loop = asyncio.get_running_loop()
-            while not agent.has_metadata(peer):
-                if loop.time() >= deadline:
-                    raise TransferError(f"no metadata from NIXL agent {peer!r} at {address}")
-                await asyncio.sleep(_METADATA_POLL_S)
-            self._peers[peer] = address
-
-    def _forget_peer(self, agent: NixlAgent, peer: str) -> None:
-        if self._peers.pop(peer, None) is None:
-            return
-        try:
-            agent.forget_peer(peer)
-        except Exception:  # already gone on NIXL's side; nothing left to drop
-            logger.debug("NIXL had no metadata left for agent %r", peer, exc_info=True)
-
-    async def _reserve_pages(self, num_pages: int, deadline: float) -> int:
-        loop = asyncio.get_running_loop()
-        while (first_page := self._pages.alloc(num_pages)) is None:
-            # No await between the failed alloc and the wait, so no free can slip in between.
-            self._space_freed.clear()
-            remaining = deadline - loop.time()
-            if remaining <= 0:
-                raise TransferError("timed out waiting for receive-buffer space")
+        if peer.releases:
             try:
-                await asyncio.wait_for(self._space_freed.wait(), remaining)
-            except TimeoutError:
-                pass  # the loop re-checks, then raises
-        return first_page
+                self._agent.notify(name, _LEASE_SEPARATOR.join(peer.releases).encode())
+            except TransferError as exc:
+                logger.warning("could not release %d leases on %r (they expire by TTL): %s", len(peer.releases), name, exc)
+            peer.releases.clear()
+        if peer.queued:
+            reads, peer.queued = peer.queued, []
+            self._post(name, reads, now)
 
-    def _post_read(
-        self, agent: NixlAgent, peer: str, reads: Sequence[_PlannedRead], start: int
-    ) -> int:
+    def _load_metadata(self, name: str, peer: _Peer, now: float) -> bool:
+        """Advances the metadata fetch; True once loaded. Fails the peer on error or timeout."""
+        try:
+            if peer.requested_at is None:
+                if peer.resolving is None:
+                    peer.resolving = self._resolver.submit(_resolve_ipv4, peer.address)
+                if not peer.resolving.done():
+                    return False
+                ip, port = peer.resolving.result()
+                self._agent.request_metadata(name, ip, port)
+                peer.requested_at = now
+            if self._agent.has_metadata(name):
+                peer.ready = True
+                return True
+            if now - peer.requested_at > self._timeout_s:
+                raise TransferError(f"no metadata from NIXL agent {name!r} at {peer.address} within {self._timeout_s} s")
+        except (TransferError, ValueError, OSError) as exc:
+            self._fail_peer(name, peer, str(exc))
+        return False
+
+    def _post(self, name: str, reads: list[Read], now: float) -> None:
+        cutoff_ms = time.time_ns() // 1_000_000 + self._expiry_margin_ms
         local: list[Row] = []
         remote: list[Row] = []
+        posted: list[Read] = []
         for read in reads:
-            address = self._base_address + start + read.offset
-            for remote_row in read.remote:
-                remote.append(remote_row)
-                local.append((address, remote_row[1], 0))
-                address += remote_row[1]
-        notification = _LEASE_SEPARATOR.join(read.region.lease_id for read in reads).encode()
-        try:
-            return agent.post_read(peer, local, remote, notification)
-        except TransferError:
-            self._forget_peer(agent, peer)  # most refusals mean the peer restarted or left
-            raise
-
-    async def _wait_done(
-        self, agent: NixlAgent, handles: Sequence[tuple[str, int]], deadline: float
-    ) -> None:
-        loop = asyncio.get_running_loop()
-        spin_until = loop.time() + _SPIN_S
-        pending = list(handles)
-        while pending:
-            still_running = []
-            for peer, handle in pending:
-                state = agent.state(handle)
-                if state == "ERR":
-                    self._forget_peer(agent, peer)
-                    raise TransferError(f"READ from NIXL agent {peer!r} failed")
-                if state == "PROC":
-                    still_running.append((peer, handle))
-            pending = still_running
-            if not pending:
-                return
-            now = loop.time()
-            if now >= deadline:
-                raise TransferError(f"READ timed out after {self._timeout_s} s")
-            await asyncio.sleep(0 if now < spin_until else _POLL_S)
-
-    def _finish(
-        self, agent: NixlAgent, handles: Sequence[tuple[str, int]], first_page: int, num_pages: int
-    ) -> None:
-        """Releases the transfer handles, then the pages, unless a READ may still land there."""
-        all_released = True
-        for peer, handle in handles:
+            if read.location.expires_at_unix_ms <= cutoff_ms:
+                self._finished.append((read.key, f"lease {read.location.lease_id} from {name!r} expired or expires within {self._expiry_margin_ms} ms"))
+                continue
             try:
-                agent.release(handle)
-            except Exception:
-                logger.exception("could not cancel a READ from NIXL agent %r", peer)
-                all_released = False
-        if all_released:
-            self._pages.free(first_page, num_pages)
-            self._space_freed.set()
-        else:
-            logger.error("retiring %d receive-buffer pages that a READ may still write", num_pages)
+                rows = decode_descriptors(read.location.descriptors)
+            except ValueError as exc:
+                self._finished.append((read.key, str(exc)))
+                continue
+            address = self._base + read.offset
+            for row in rows:
+                remote.append(row)
+                local.append((address, row[1], 0))
+                address += row[1]
+            posted.append(read)
+        if not posted:
+            return
+        notification = _LEASE_SEPARATOR.join(read.location.lease_id for read in posted).encode()
+        try:
+            handle = self._agent.post_read(name, local, remote, notification)
+        except TransferError as exc:
+            self._forget(name)  # most refusals mean the producer restarted or left
+            self._finished += [(read.key, str(exc)) for read in posted]
+            return
+        self._transfers.append(_Transfer(name, handle, [read.key for read in posted], now))
+
+    def _progress_transfers(self, now: float) -> None:
+        running = []
+        for transfer in self._transfers:
+            state = self._agent.state(transfer.handle)
+            if state == "PROC" and now - transfer.started <= self._timeout_s:
+                running.append(transfer)
+                continue
+            error = None
+            if state == "ERR":
+                error = f"READ from NIXL agent {transfer.peer!r} failed"
+                self._forget(transfer.peer)
+            elif state == "PROC":
+                error = f"READ from NIXL agent {transfer.peer!r} timed out after {self._timeout_s} s"
+            if not self._release_handle(transfer) and error is None:
+                error = "could not release the transfer handle"
+            self._finished += [(key, error) for key in transfer.keys]
+        self._transfers = running
+
+    def _release_handle(self, transfer: _Transfer) -> bool:
+        try:
+            self._agent.release(transfer.handle)
+            return True
+        except Exception:
+            logger.exception("could not cancel a READ from NIXL agent %r", transfer.peer)
+            return False
+
+    def _fail_peer(self, name: str, peer: _Peer, reason: str) -> None:
+        self._finished += [(read.key, reason) for read in peer.queued]
+        if peer.releases:
+            logger.warning("could not release %d leases on %r (they expire by TTL): %s", len(peer.releases), name, reason)
+        self._forget(name)
+
+    def _forget(self, name: str) -> None:
+        peer = self._peers.pop(name, None)
+        if peer is not None and peer.ready:
+            try:
+                self._agent.forget_peer(name)
+            except Exception:  # already gone on NIXL's side
+                logger.debug("NIXL had no metadata left for agent %r", name, exc_info=True)
+
+
+class LeaseReleaser:
+    """Ends a producer's leases without reading them, with the notification a READ would send.
+
+    The encoder service uses it for leases the gateway gives back (a request failed or was
+    aborted before its consumer read them). Calls block on the first contact with a producer
+    (fetching its metadata, bounded by ``timeout_s``), so callers run them off the event loop.
+    """
+
+    def __init__(self, agent_name: str, *, timeout_s: float = 5.0) -> None:
+        # A progress thread sends the notifications: nothing else here drives this agent.
+        self._agent = NixlAgent(agent_name, listen_port=0, progress_thread=True)
+        self._timeout_s = timeout_s
+        self._known: dict[str, str] = {}  # agent name -> address its metadata came from
+
+    def release(self, peer: str, address: str, lease_ids: Sequence[str]) -> None:
+        """Raises TransferError if the producer cannot be reached (its leases then expire)."""
+        if self._known.get(peer) != address:
+            if peer in self._known:
+                self._agent.forget_peer(peer)
+                del self._known[peer]
+            try:
+                ip, port = _resolve_ipv4(address)
+            except (ValueError, OSError) as exc:
+                raise TransferError(f"cannot reach NIXL agent {peer!r} at {address}: {exc}") from exc
+            self._agent.request_metadata(peer, ip, port)
+            deadline = time.monotonic() + self._timeout_s
+            while not self._agent.has_metadata(peer):
+                if time.monotonic() > deadline:
+                    raise TransferError(f"no metadata from NIXL agent {peer!r} at {address} within {self._timeout_s} s")
+                time.sleep(0.002)
+            self._known[peer] = address
+        self._agent.notify(peer, _LEASE_SEPARATOR.join(lease_ids).encode())
+
+    def close(self) -> None:
+        for peer in self._known:
+            try:
+                self._agent.forget_peer(peer)
+            except Exception:  # already gone on NIXL's side
+                logger.debug("NIXL had no metadata left for agent %r", peer, exc_info=True)
+        self._known.clear()
+
+
+def encode_descriptors(rows: Sequence[Row]) -> bytes:
+    return bytes([_DESCRIPTORS_VERSION]) + b"".join(_DESCRIPTOR_ROW.pack(*row) for row in rows)
+
+
+def decode_descriptors(blob: bytes) -> list[Row]:
+    """Raises ValueError for anything but this module's format."""
+    version, body = blob[:1], blob[1:]
+    if version != bytes([_DESCRIPTORS_VERSION]) or not body or len(body) % _DESCRIPTOR_ROW.size:
+        raise ValueError("malformed NIXL descriptors")
+    return [(address, length, device) for address, length, device in _DESCRIPTOR_ROW.iter_unpack(body)]
 
 
 def _start_listening_agent(name: str, listen_port: int) -> tuple[NixlAgent, int]:
-    """Starts the arena's agent, its metadata listener on ``listen_port`` or a free port if 0.
+    """Starts an agent whose metadata listener is on ``listen_port``, or on a free port if 0.
 
-    NIXL can bind port 0 but cannot tell which port the OS chose, so we pick a free port
-    ourselves. Another process may take it between our probe and NIXL's bind; NIXL then fails
-    to start and we retry on a fresh port.
-
-    Returns:
-        The agent and its listener port.
+    NIXL can bind port 0 but cannot tell which port it got, so we probe for a free port
+    ourselves; another process may take it before NIXL binds, so a failed start is retried.
     """
 
     def start(port: int) -> tuple[NixlAgent, int]:
@@ -549,59 +350,18 @@ def _free_tcp_port() -> int:
         return port
 
 
-async def _resolve_ipv4(address: str) -> tuple[str, int]:
-    """Splits ``host:port`` and resolves the host: NIXL's side channel takes only IPv4 literals.
+def _resolve_ipv4(address: str) -> tuple[str, int]:
+    """Splits ``host:port`` and resolves the host: NIXL's side channel takes IPv4 literals only.
 
     Raises:
-        ValueError: If ``address`` is not ``host:port``.
-        TransferError: If the host name does not resolve.
+        ValueError: ``address`` is not ``host:port``.
+        OSError: the host name does not resolve.
     """
     host, separator, port_text = address.rpartition(":")
     if not separator or not host or not port_text.isdigit():
         raise ValueError(f"agent_address must be 'host:port', got {address!r}")
-    port = int(port_text)
     try:
-        ip = str(ipaddress.IPv4Address(host))
-    except ValueError:  # a host name
-        try:
-            infos = await asyncio.get_running_loop().getaddrinfo(
-                host, port, family=socket.AF_INET, type=socket.SOCK_STREAM
-            )
-        except OSError as exc:
-            raise TransferError(f"cannot resolve producer host {host!r}: {exc}") from exc
-        ip = str(infos[0][4][0])
-    return ip, port
-
-
-def _encode_descriptors(rows: Sequence[Row]) -> bytes:
-    return bytes([_DESCRIPTORS_VERSION]) + b"".join(_DESCRIPTOR_ROW.pack(*row) for row in rows)
-
-
-def _decode_descriptors(blob: bytes) -> list[Row]:
-    version, body = blob[:1], blob[1:]
-    if version != bytes([_DESCRIPTORS_VERSION]) or not body or len(body) % _DESCRIPTOR_ROW.size:
-        raise ValueError("malformed region descriptors")
-    rows = _DESCRIPTOR_ROW.iter_unpack(body)
-    return [(address, length, device) for address, length, device in rows]
-
-
-def _plan_reads(regions: Sequence[NixlRegion]) -> tuple[list[_PlannedRead], int]:
-    """Decodes each region's descriptors and lays the regions out in one receive range.
-
-    Returns:
-        One planned READ per region, in order, and the total bytes the layout spans.
-
-    Raises:
-        ValueError: If a region's descriptors are malformed or disagree with its size.
-    """
-    reads = []
-    offset = 0
-    for region in regions:
-        remote = _decode_descriptors(region.descriptors)
-        if region.nbytes <= 0 or sum(row[1] for row in remote) != region.nbytes:
-            raise ValueError(
-                f"descriptors of region {region.lease_id} do not cover its {region.nbytes} bytes"
-            )
-        reads.append(_PlannedRead(region, remote, offset))
-        offset += -(-region.nbytes // _REGION_ALIGN) * _REGION_ALIGN
-    return reads, offset
+        return str(ipaddress.IPv4Address(host)), int(port_text)
+    except ValueError:
+        infos = socket.getaddrinfo(host, int(port_text), family=socket.AF_INET, type=socket.SOCK_STREAM)
+        return str(infos[0][4][0]), int(port_text)

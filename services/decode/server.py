@@ -1,28 +1,30 @@
-"""Decode entry point (decode mode for E/P/D, combined mode for E+PD)."""
+"""Decode entry point: a KV consumer for E/P/D, or (combined) an EC consumer for E+PD."""
 
 from __future__ import annotations
 
 import dataclasses
+import enum
 
-from epd.engine import EngineConfig, KvRole
-from epd.models import load_family
-from epd.server import GrpcHost, ServerConfig
+from epd.engine import Engine, EngineConfig, EngineRole
+from epd.server import GrpcHost, ServerConfig, run_service
 from epd.v1 import decode_pb2, decode_pb2_grpc
-from services.decode.servicer import DecodeMode, DecodeServicer
-from services.engine_server import EmbeddingReceiveConfig, embedding_source, serve_engine
-from services.forwarded_media import ForwardedMediaLayout
+from services.decode.servicer import DecodeServicer
+from services.engine_stage import EngineStage
 
 
-async def serve(mode: DecodeMode, engine: EngineConfig, receive: EmbeddingReceiveConfig, server: ServerConfig) -> None:
-    if mode is DecodeMode.DECODE:
-        # The KV already holds the media; this engine never sees an embedding.
-        engine = dataclasses.replace(engine, kv_role=KvRole.CONSUMER)
-        source = None
-    else:
-        engine = dataclasses.replace(engine, kv_role=KvRole.NONE)
-        source = embedding_source(receive, "decode")
+class DecodeMode(enum.Enum):
+    DECODE = "decode"  # E/P/D: KV arrives from a prefill engine; media only as metadata
+    COMBINED = "combined"  # E+PD: reads embeddings itself and prefills too
+
+
+async def serve(mode: DecodeMode, engine_config: EngineConfig, server: ServerConfig, *, allow_inline: bool = False) -> None:
     host = GrpcHost(server, service_name=f"decode-{mode.value}", full_service_name=decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name)
-    family = load_family(engine.model)
-    servicer = DecodeServicer(mode, family, source, ForwardedMediaLayout(engine.model, family))
+    servicer = DecodeServicer()
     decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, host.server)
-    await serve_engine(host, servicer, engine, source)
+    role = EngineRole.DECODE if mode is DecodeMode.DECODE else EngineRole.COMBINED
+    engine = Engine(dataclasses.replace(engine_config, role=role))
+
+    def on_ready(engine: Engine) -> None:
+        servicer.stage = EngineStage(engine, allow_inline=allow_inline)
+
+    await run_service(host, engine, on_ready=on_ready)

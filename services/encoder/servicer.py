@@ -11,7 +11,7 @@ from services.encoder.runner import EncoderRunner
 
 class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
     def __init__(self) -> None:
-        self.runner: EncoderRunner | None = None  # set once the tower has loaded
+        self.runner: EncoderRunner | None = None  # set once the engine has loaded
 
     def _ready_runner(self) -> EncoderRunner:
         if self.runner is None:
@@ -20,7 +20,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
 
     @rpc_method("encoder")
     async def Encode(self, request: encoder_pb2.EncodeRequest, context) -> encoder_pb2.EncodeResponse:
-        """Encodes the request's media items, batching them with concurrent requests.
+        """Encodes the request's media items; vLLM batches them with concurrent requests.
 
         Args:
             request: media bytes, MIME types and content hashes, in prompt order.
@@ -31,7 +31,7 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         """
         runner = self._ready_runner()
         items = wire.media_items_from_wire(request.items)
-        encoded = await runner.encode(items)
+        encoded = await runner.encode(request.request_id or "anonymous", items)
         return encoder_pb2.EncodeResponse(items=[wire.encoded_item_to_wire(e) for e in encoded])
 
     @rpc_method("encoder")
@@ -43,7 +43,8 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             context: the RPC context.
 
         Returns:
-            How many leases were live and are now free.
+            How many lease ids were handed to the arena.
         """
-        released = self._ready_runner().release(list(request.lease_ids))
-        return encoder_pb2.ReleaseEmbeddingsResponse(released_count=released)
+        lease_ids = list(request.lease_ids)
+        await self._ready_runner().release(lease_ids)
+        return encoder_pb2.ReleaseEmbeddingsResponse(released_count=len(lease_ids))

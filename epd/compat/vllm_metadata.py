@@ -1,0 +1,63 @@
+"""The one model-specific piece of EPD: vLLM 0.32 forgets ``second_per_grid_ts`` for the video
+of Qwen2.5-VL and Qwen2.5-Omni when the video arrives metadata-only.
+
+Their M-RoPE spaces a video's temporal positions by ``second_per_grid_ts`` (seconds per temporal
+patch group, ``temporal_patch_size / sampled fps``), which the processor computes from the
+media. On an EC or KV consumer the media is gone, and vLLM's data parsers declare only
+``video_grid_thw`` as the video's placeholder metadata, so the producer never publishes the
+value and the consumer falls back to 1.0 s. Tokens then differ from a monolithic run for any
+video whose sampled rate is not exactly half its patch size (most clips). Qwen2.5-VL's parser
+also drops the field from metadata-only items altogether; Qwen2.5-Omni's keeps it.
+
+This module declares the field as metadata on both parsers, as vLLM does for Qwen3-VL's
+``timestamps``, so that an encoder publishes it and consumers require and keep it. Nothing else
+in EPD names a model. Remove it once vLLM declares the field itself.
+
+It must run in every process where vLLM parses multimodal inputs or publishes their metadata:
+our services call :func:`install` before they build an engine, and the EC connector module (which
+vLLM imports in its engine processes) calls it on import.
+"""
+
+from __future__ import annotations
+
+import functools
+
+_FIELD = "second_per_grid_ts"
+
+
+@functools.cache
+def install() -> None:
+    from vllm.model_executor.models import qwen2_5_omni_thinker, qwen2_5_vl
+    from vllm.model_executor.models.qwen2_vl import Qwen2VLMultiModalDataParser, _create_qwen2vl_field_factory
+    from vllm.multimodal.inputs import MultiModalFieldConfig
+    from vllm.multimodal.parse import DictEmbeddingItems
+
+    video_fields = {**Qwen2VLMultiModalDataParser.embedding_fields["video"], _FIELD: "metadata"}
+
+    class Qwen2_5_VLDataParser(Qwen2VLMultiModalDataParser):
+        embedding_fields = {**Qwen2VLMultiModalDataParser.embedding_fields, "video": video_fields}
+
+        def _parse_video_data(self, data):
+            if not isinstance(data, dict):
+                return super()._parse_video_data(data)
+            base_factory = _create_qwen2vl_field_factory(self._spatial_merge_size)
+            required, optional = self.embedding_field_sets("video")
+            return DictEmbeddingItems(
+                data,
+                modality="video",
+                required_fields=required,
+                optional_fields=optional,
+                fields_factory=lambda hf_inputs: {**base_factory(hf_inputs), _FIELD: MultiModalFieldConfig.batched("video", keep_on_cpu=True)},
+            )
+
+    def get_data_parser(self):
+        return Qwen2_5_VLDataParser(
+            self.get_hf_config().vision_config.spatial_merge_size,
+            video_needs_metadata=True,
+            expected_hidden_size=self._get_expected_hidden_size(),
+            allow_missing_mm_embeddings=self.allow_missing_mm_embeddings,
+        )
+
+    qwen2_5_vl.Qwen2_5_VLProcessingInfo.get_data_parser = get_data_parser
+    omni_parser = qwen2_5_omni_thinker.Qwen2_5OmniThinkerMultiModalDataParser
+    omni_parser.embedding_fields = {**omni_parser.embedding_fields, "video": {**omni_parser.embedding_fields["video"], _FIELD: "metadata"}}

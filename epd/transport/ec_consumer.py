@@ -1,0 +1,307 @@
+"""The consumer half of the EPD EC connector, beside vLLM's scheduler (prefill, or E+PD decode).
+
+A request arrives with metadata-only items plus, in its ``ec_transfer_params``, where each
+item's encoder output was published. Before vLLM may schedule the request, every item must be
+in this engine's receive buffer: the first time the request is seen, each item not already here
+gets pages of the buffer and a READ (all of one producer's items in one batched READ); the
+request waits in vLLM's queue until they land. A request whose items cannot be had (malformed
+handle, unreachable producer, expired lease, a slot that no longer holds the promised item) is
+reported to vLLM as unavailable and fails alone, before anything runs.
+
+Loaded items stay in the buffer while any live request refers to them or vLLM's encoder cache
+holds them: the worker hands vLLM views of the buffer, never copies (see ``ec_connector``).
+Items are keyed by content hash, so a second request for the same item reuses the loaded rows
+and only releases its own, unread lease.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING
+
+from epd.domain import InlineEmbedding, NixlLocation
+from epd.transport._slots import SlotAllocator
+from epd.transport.arena import SharedCounters
+from epd.transport.ec_params import ExpectedItem, expected_from_params
+from epd.transport.shared_buffer import SharedBuffer
+from epd.transport.slot_header import DTYPES, HEADER_BYTES, SlotHeader, SlotStatus, slot_bytes
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+    from epd.transport.ec_connector import ConnectorConfig
+
+logger = logging.getLogger(__name__)
+
+PAGE_BYTES = 4096
+RECEIVE_COUNTERS = ("items", "free_pages", "num_pages", "failed_loads")
+
+
+@dataclasses.dataclass(frozen=True)
+class Install:
+    """Give vLLM's encoder cache a view of rows at ``offset`` for ``mm_hash``."""
+
+    mm_hash: str
+    offset: int  # of the rows (the header is in front of them)
+    rows: int
+    width: int
+    dtype: str
+
+
+@dataclasses.dataclass
+class _Item:
+    expected: ExpectedItem
+    first_page: int | None = None
+    num_pages: int = 0
+    state: str = "waiting"  # waiting (for pages) -> loading -> ready | failed
+    error: str = ""
+    requests: set[str] = dataclasses.field(default_factory=set)
+    in_encoder_cache: bool = False
+
+    @property
+    def offset(self) -> int:
+        assert self.first_page is not None
+        return SharedCounters.BYTES + self.first_page * PAGE_BYTES
+
+
+@dataclasses.dataclass
+class _RequestState:
+    items: list[str]
+    satisfied: bool = False
+
+
+class ConsumerScheduler:
+    def __init__(self, config: ConnectorConfig) -> None:
+        self._config = config
+        self._buffer = SharedBuffer.create(config.buffer_name("receive"), config.buffer_bytes)
+        self._pages = SlotAllocator((config.buffer_bytes - SharedCounters.BYTES) // PAGE_BYTES)
+        self.counters = SharedCounters(self._buffer.tensor, RECEIVE_COUNTERS)
+        self.counters.set("num_pages", self._pages.num_slots)
+        self._reader = None  # created on the first NIXL location: inline-only hosts need no NIXL
+        self._items: dict[str, _Item] = {}
+        self._requests: dict[str, _RequestState] = {}
+        self._unavailable: set[str] = set()
+        self._installs: list[Install] = []
+        self._freeing: list[tuple[int, int]] = []  # freed one step late: a worker may still read them
+        self._update_counters()
+        logger.info("EPD EC consumer: receive buffer of %d MiB, shared buffer %s", config.buffer_bytes >> 20, self._buffer.path)
+
+    # ---- vLLM scheduler hooks -----------------------------------------------------------
+
+    def ensure_cache_available(self, request: Request) -> bool:
+        """True once every item of the request is here; starts what is missing."""
+        state = self._requests.get(request.request_id)
+        if state is None:
+            state = self._admit(request)
+        if state is None or request.request_id in self._unavailable:
+            return False
+        if state.satisfied:
+            return True
+        self._progress()
+        items = [self._items[h] for h in state.items]
+        if any(item.state == "failed" for item in items):
+            self._mark_unavailable(request.request_id, next(i.error for i in items if i.state == "failed"))
+            return False
+        state.satisfied = all(item.state == "ready" for item in items)
+        return state.satisfied
+
+    def has_cache_item(self, mm_hash: str) -> bool:
+        item = self._items.get(mm_hash)
+        return item is not None and item.state == "ready"
+
+    def update_state_after_alloc(self, request: Request, index: int) -> None:
+        mm_hash = request.mm_features[index].identifier
+        item = self._items.get(mm_hash)
+        if item is None or item.state != "ready":
+            return
+        item.in_encoder_cache = True
+        rows = item.expected
+        self._installs.append(Install(mm_hash, item.offset + HEADER_BYTES, rows.rows, rows.width, rows.dtype))
+
+    def build_installs(self, scheduler_output: SchedulerOutput) -> list[Install]:
+        for first_page, num_pages in self._freeing:
+            self._pages.free(first_page, num_pages)
+        self._freeing.clear()
+        for mm_hash in scheduler_output.free_encoder_mm_hashes:
+            item = self._items.get(mm_hash)
+            if item is not None:
+                item.in_encoder_cache = False
+                self._maybe_drop(mm_hash, item)
+        self._update_counters()
+        installs, self._installs = self._installs, []
+        return installs
+
+    def request_finished(self, request: Request) -> None:
+        state = self._requests.pop(request.request_id, None)
+        self._unavailable.discard(request.request_id)
+        for mm_hash in state.items if state else ():
+            item = self._items.get(mm_hash)
+            if item is not None:
+                item.requests.discard(request.request_id)
+                self._maybe_drop(mm_hash, item)
+
+    def take_unavailable_requests(self) -> set[str]:
+        unavailable = {r for r in self._unavailable if r in self._requests}
+        self._unavailable.clear()
+        return unavailable
+
+    def close(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+        self._buffer.close()
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _admit(self, request: Request) -> _RequestState | None:
+        """Records a new request and starts loading its items; None if it cannot be served."""
+        request_id = request.request_id
+        try:
+            expected = expected_from_params(request.ec_transfer_params)
+        except ValueError as exc:
+            self._requests[request_id] = _RequestState([])
+            self._mark_unavailable(request_id, str(exc))
+            return None
+        hashes = list(dict.fromkeys(f.identifier for f in request.mm_features))
+        state = self._requests[request_id] = _RequestState(hashes)
+        for index, feature in enumerate(request.mm_features):
+            handle = expected.get(feature.identifier)
+            if handle is None:
+                self._mark_unavailable(request_id, f"item {index} has no handle in ec_transfer_params")
+                return None
+            rows = feature.mm_position.get_num_embeds()
+            if handle.rows != rows or handle.dtype not in DTYPES:
+                self._mark_unavailable(request_id, f"item {index} takes {rows} embedding rows; its handle promises {handle.rows} of {handle.dtype}")
+                return None
+        for mm_hash in hashes:
+            item = self._items.get(mm_hash)
+            if item is not None and item.state == "failed":
+                # Retry with this request's handle; the requests that saw it fail are told so.
+                self._discard(item)
+                item = self._items[mm_hash] = _Item(expected[mm_hash], requests=item.requests)
+            elif item is None:
+                item = self._items[mm_hash] = _Item(expected[mm_hash])
+            elif item.expected.location != expected[mm_hash].location:
+                self._release_unread(expected[mm_hash])  # the rows are here already
+            item.requests.add(request_id)
+        return state
+
+    def _progress(self) -> None:
+        """Starts loads for waiting requests, oldest first, and collects finished NIXL reads.
+
+        A request gets pages for all its missing items at once or for none, and a request
+        that does not fit stops the ones behind it: two requests each holding half of what
+        they need would otherwise wait for each other forever.
+        """
+        reads = []
+        for state in self._requests.values():
+            waiting = [(h, self._items[h]) for h in dict.fromkeys(state.items) if self._items[h].state == "waiting"]
+            if not waiting:
+                continue
+            if not self._allocate(waiting):
+                break
+            for mm_hash, item in waiting:
+                if item.state != "waiting":
+                    continue  # it failed: it can never fit
+                if isinstance(item.expected.location, InlineEmbedding):
+                    self._copy_inline(item)
+                else:
+                    item.state = "loading"
+                    reads.append((mm_hash, item))
+        if reads:
+            from epd.transport.nixl import Read
+
+            self._nixl_reader().submit([Read(h, item.expected.location, item.offset) for h, item in reads])
+        if self._reader is not None and self._reader.busy:
+            for mm_hash, error in self._reader.poll():
+                item = self._items.get(mm_hash)
+                if item is not None and item.state == "loading":
+                    self._check_loaded(item, error)
+                    self._maybe_drop(mm_hash, item)
+        self._update_counters()
+
+    def _allocate(self, items: list[tuple[str, _Item]]) -> bool:
+        """Pages for every item, or (returning False) for none of them."""
+        taken = []
+        for _, item in items:
+            expected = item.expected
+            nbytes = slot_bytes(expected.rows, expected.width, expected.dtype)
+            num_pages = -(-nbytes // PAGE_BYTES)
+            if num_pages > self._pages.num_slots:
+                self._fail(item, f"{nbytes} bytes can never fit the {self._config.buffer_bytes}-byte receive buffer")
+                continue
+            first_page = self._pages.alloc(num_pages)
+            if first_page is None:
+                for taken_item in taken:
+                    self._pages.free(taken_item.first_page, taken_item.num_pages)
+                    taken_item.first_page, taken_item.num_pages = None, 0
+                return False
+            item.first_page, item.num_pages = first_page, num_pages
+            taken.append(item)
+        return True
+
+    def _copy_inline(self, item: _Item) -> None:
+        expected = item.expected
+        data = expected.location.data
+        payload = expected.rows * expected.width * DTYPES[expected.dtype].itemsize
+        if len(data) != payload:
+            self._fail(item, f"inline embedding holds {len(data)} bytes; {expected.rows} x {expected.width} {expected.dtype} is {payload}")
+            return
+        import torch
+
+        start = item.offset + HEADER_BYTES
+        self._buffer.tensor[start : start + payload].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        item.state = "ready"
+
+    def _check_loaded(self, item: _Item, error: str | None) -> None:
+        """A READ ended: the header must show the promised item, fully written."""
+        if error is None:
+            expected = item.expected
+            try:
+                header = SlotHeader.unpack_from(self._buffer.tensor, item.offset)
+            except ValueError as exc:
+                error = f"read a slot that holds no item: {exc}"
+            else:
+                promised = (SlotStatus.READY, int(expected.location.lease_id, 16), expected.rows, expected.width, expected.dtype)
+                if (header.status, header.generation, header.rows, header.width, header.dtype) != promised:
+                    error = f"the producer's slot no longer holds lease {expected.location.lease_id} as promised (found {header})"
+        if error is None:
+            item.state = "ready"
+        else:
+            self._fail(item, error)
+
+    def _fail(self, item: _Item, error: str) -> None:
+        logger.warning("EPD EC consumer: loading an item failed: %s", error)
+        item.state, item.error = "failed", error
+        self.counters.set("failed_loads", self.counters.get("failed_loads") + 1)
+
+    def _mark_unavailable(self, request_id: str, reason: str) -> None:
+        logger.warning("EPD EC consumer: request %s cannot get its encoder outputs: %s", request_id, reason)
+        self._unavailable.add(request_id)
+
+    def _maybe_drop(self, mm_hash: str, item: _Item) -> None:
+        if item.requests or item.in_encoder_cache or item.state == "loading":
+            return  # a loading item's pages are the READ's target until it ends
+        del self._items[mm_hash]
+        self._discard(item)
+
+    def _discard(self, item: _Item) -> None:
+        if item.first_page is not None:
+            self._freeing.append((item.first_page, item.num_pages))
+            item.first_page = None
+
+    def _release_unread(self, expected: ExpectedItem) -> None:
+        if isinstance(expected.location, NixlLocation):
+            self._nixl_reader().release(expected.location)
+
+    def _nixl_reader(self):
+        if self._reader is None:
+            from epd.transport.nixl import NixlReader
+
+            self._reader = NixlReader(self._buffer.tensor, agent_name=self._config.agent_name, timeout_s=self._config.read_timeout_s)
+        return self._reader
+
+    def _update_counters(self) -> None:
+        self.counters.set("items", len(self._items))
+        self.counters.set("free_pages", self._pages.free_slots)

@@ -1,0 +1,205 @@
+"""The producer half of the EPD EC connector, beside vLLM's scheduler (an encoder-only engine).
+
+For every request it sees, it leases one arena slot per distinct item before the request runs,
+sized from what vLLM already knows: the item's embedding rows (its placeholder positions), the
+encoder's output width (measured by vLLM at startup) and the model's dtype. Each step's
+connector metadata tells the worker which slots to fill; when the request finishes, the slots'
+headers tell whether the worker filled them, and the request's ``ec_transfer_params`` carry
+each item's location plus what vLLM's processor made of it (the per-item fields the model
+declares as placeholder metadata, and the run the item expanded into).
+
+A request waits in vLLM's queue while the arena has no room for it (backpressure, like a full
+KV cache); a background thread ends leases as consumers' READ notifications arrive and as
+TTLs pass.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+from epd.mm_items import engine_field_from_vllm
+from epd.transport.arena import EmbeddingArena, Lease
+from epd.transport.ec_params import PublishedItem, published_to_params
+from epd.transport.shared_buffer import SharedBuffer
+from epd.transport.slot_header import HEADER_BYTES, SlotHeader, SlotStatus, dtype_name, slot_bytes
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+    from epd.transport.ec_connector import ConnectorConfig
+
+logger = logging.getLogger(__name__)
+
+_REAP_INTERVAL_S = 0.02
+
+
+@dataclasses.dataclass(frozen=True)
+class Save:
+    """Fill slot ``offset`` with the encoder output of ``mm_hash``."""
+
+    request_id: str
+    mm_hash: str
+    offset: int
+    generation: int
+    rows: int
+    width: int
+    dtype: str
+
+
+@dataclasses.dataclass
+class _Reservation:
+    modality: str
+    lease: Lease
+    rows: int
+    width: int
+
+
+class ProducerScheduler:
+    def __init__(self, vllm_config: VllmConfig, config: ConnectorConfig) -> None:
+        from vllm.distributed.ec_transfer.ec_connector.utils import PlaceholderMetadataResolver
+
+        self._vllm_config = vllm_config
+        self._config = config
+        self._dtype = dtype_name(vllm_config.model_config.dtype)
+        self._resolver = PlaceholderMetadataResolver(vllm_config.model_config)
+        self._buffer = SharedBuffer.create(config.buffer_name("arena"), config.buffer_bytes)
+        self._arena = EmbeddingArena(self._buffer.tensor, slot_bytes=config.slot_bytes, lease_ttl_s=config.lease_ttl_s)
+        self._publisher = None
+        if config.transport == "nixl":
+            from epd.transport.nixl import NixlPublisher
+
+            self._publisher = NixlPublisher(self._buffer.tensor, agent_name=config.agent_name, listen_host=config.listen_host, listen_port=config.listen_port)
+        self._requests: dict[str, dict[str, _Reservation]] = {}
+        self._stop = threading.Event()
+        self._reaper = threading.Thread(target=self._reap_loop, name="epd-ec-reaper", daemon=True)
+        self._reaper.start()
+        logger.info(
+            "EPD EC producer: %s arena of %d MiB (%d-byte slots), shared buffer %s",
+            config.transport,
+            config.buffer_bytes >> 20,
+            config.slot_bytes,
+            self._buffer.path,
+        )
+
+    def record_shards(self, read_of: tuple[int, int] | None) -> None:
+        """Publishes how many weight shards the engine read, for the encoder service."""
+        if read_of is not None:
+            self._arena.counters.set("shards_read", read_of[0])
+            self._arena.counters.set("shards_total", read_of[1])
+
+    def ensure_cache_available(self, request: Request) -> bool:
+        """Leases the request's slots the first time it is seen; False (wait) while full."""
+        if request.request_id in self._requests:
+            return True
+        from vllm.distributed.ec_transfer.ec_connector.encoder_output_width import get_encoder_output_width
+
+        reservations: dict[str, _Reservation] = {}
+        for feature in request.mm_features:
+            if feature.identifier in reservations:
+                continue  # the same content twice in one prompt: one slot serves both
+            rows = feature.mm_position.get_num_embeds()
+            width = get_encoder_output_width(self._vllm_config, feature.modality)
+            try:
+                lease = self._arena.reserve(slot_bytes(rows, width, self._dtype))
+            except ValueError:
+                logger.error("an item of request %s can never fit the encoder arena; raise --arena-bytes", request.request_id)
+                lease = None
+            if lease is None:
+                for reservation in reservations.values():
+                    self._arena.release(reservation.lease.lease_id)
+                return False
+            SlotHeader(SlotStatus.PENDING, self._dtype, lease.generation, rows, width).pack_into(self._buffer.tensor, lease.offset)
+            reservations[feature.identifier] = _Reservation(feature.modality, lease, rows, width)
+        self._requests[request.request_id] = reservations
+        return True
+
+    def saves_for(self, scheduler_output: SchedulerOutput) -> list[Save]:
+        """The slots of every request scheduled in this step (the worker skips filled ones)."""
+        return [
+            Save(request_id, mm_hash, r.lease.offset, r.lease.generation, r.rows, r.width, self._dtype)
+            for request_id in scheduler_output.num_scheduled_tokens
+            for mm_hash, r in self._requests.get(request_id, {}).items()
+        ]
+
+    def request_finished(self, request: Request) -> dict[str, Any] | None:
+        """Publishes the request's items; an aborted or failed request just frees its slots."""
+        from vllm.v1.request import RequestStatus
+
+        reservations = self._requests.pop(request.request_id, {})
+        if request.status != RequestStatus.FINISHED_STOPPED:
+            for reservation in reservations.values():
+                self._arena.release(reservation.lease.lease_id)
+            return None
+        published = {}
+        for index, feature in enumerate(request.mm_features):
+            reservation = reservations.get(feature.identifier)
+            if reservation is None or feature.identifier in published:
+                continue
+            published[feature.identifier] = self._publish(request, index, reservation)
+        return published_to_params(published)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._reaper.join(timeout=1)
+        if self._publisher is not None:
+            self._publisher.close()
+        self._buffer.close()
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _publish(self, request: Request, index: int, reservation: _Reservation) -> PublishedItem:
+        feature = request.mm_features[index]
+        position = feature.mm_position
+        first_embed = 0 if position.is_embed is None else int(position.is_embed.int().argmax())
+        item = PublishedItem(
+            modality=feature.modality,
+            rows=reservation.rows,
+            width=reservation.width,
+            dtype=self._dtype,
+            placeholder_length=position.length,
+            placeholder_token_id=int(request.prompt_token_ids[position.offset + first_embed]),
+            fields=self._declared_fields(feature),
+            layout_needs_media=not self._resolver.fields_for(feature.modality),
+            location=None,
+        )
+        lease = reservation.lease
+        header = SlotHeader.unpack_from(self._buffer.tensor, lease.offset)
+        if header.status is not SlotStatus.READY or header.generation != lease.generation:
+            self._arena.release(lease.lease_id)
+            return dataclasses.replace(item, error=f"the encoder output of item {index} was not written ({header.status.name})")
+        expires_at = self._arena.start_expiry(lease.lease_id)
+        if self._publisher is not None:
+            return dataclasses.replace(item, location=self._publisher.location(lease, expires_at))
+        from epd.domain import InlineEmbedding
+
+        rows = self._buffer.tensor[lease.offset + HEADER_BYTES : lease.offset + lease.nbytes]
+        location = InlineEmbedding(rows.numpy().tobytes())
+        self._arena.release(lease.lease_id)  # the bytes travel in the message
+        return dataclasses.replace(item, location=location)
+
+    def _declared_fields(self, feature) -> dict:
+        """The per-item fields the model declares as placeholder metadata for the modality."""
+        if feature.data is None:
+            return {}  # only with vLLM's processor cache on, which producers run without
+        fields = {}
+        for name, value in feature.data.get_data().items():
+            if name in self._resolver.fields_for(feature.modality):
+                converted = engine_field_from_vllm(value)
+                if converted is not None:
+                    fields[name] = converted
+        return fields
+
+    def _reap_loop(self) -> None:
+        while not self._stop.wait(_REAP_INTERVAL_S):
+            try:
+                if self._publisher is not None:
+                    for lease_id in self._publisher.ended_leases():
+                        self._arena.release(lease_id)
+                self._arena.expire()
+            except Exception:
+                logger.exception("EPD EC producer: reaping leases failed")

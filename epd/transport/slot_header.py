@@ -1,0 +1,72 @@
+"""The header in front of every published encoder output.
+
+A consumer READs the header together with the rows, so it can check, after the READ and before
+vLLM sees a byte, that it got what its handle promised: the producer finished writing
+(``READY``), the slot still belongs to the same lease (its ``generation``; a lease that expired
+and whose slot was reused reads back a different one), and the shape and dtype match. Without
+it, a late READ of a reused slot would silently return another item's embedding.
+
+Layout (little-endian, 64 bytes so the rows that follow stay 64-byte aligned)::
+
+    magic "EPDE" | version u8 | status u8 | dtype u8 | pad u8 | generation u64 | rows u32 | width u32 | pad
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import struct
+
+import torch
+
+HEADER_BYTES = 64
+_MAGIC = b"EPDE"
+_VERSION = 1
+_STRUCT = struct.Struct("<4sBBBxQII")
+
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPE_CODES = {"float32": 1, "float16": 2, "bfloat16": 3}
+_DTYPE_NAMES = {code: name for name, code in _DTYPE_CODES.items()}
+
+
+class SlotStatus(enum.IntEnum):
+    PENDING = 0  # reserved; the producer has not written the rows yet
+    READY = 1
+    FAILED = 2  # the producer could not write it (its output did not match the reservation)
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotHeader:
+    status: SlotStatus
+    dtype: str  # a key of DTYPES
+    generation: int
+    rows: int
+    width: int
+
+    @property
+    def payload_bytes(self) -> int:
+        return self.rows * self.width * DTYPES[self.dtype].itemsize
+
+    def pack_into(self, buffer: torch.Tensor, offset: int) -> None:
+        """Writes the header at ``offset`` of a uint8 tensor."""
+        packed = _STRUCT.pack(_MAGIC, _VERSION, int(self.status), _DTYPE_CODES[self.dtype], self.generation, self.rows, self.width)
+        buffer[offset : offset + len(packed)].copy_(torch.frombuffer(bytearray(packed), dtype=torch.uint8))
+
+    @classmethod
+    def unpack_from(cls, buffer: torch.Tensor, offset: int) -> SlotHeader:
+        """Reads a header; raises ValueError if the bytes are not one."""
+        raw = bytes(buffer[offset : offset + _STRUCT.size].numpy())
+        magic, version, status, dtype_code, generation, rows, width = _STRUCT.unpack(raw)
+        if magic != _MAGIC or version != _VERSION or dtype_code not in _DTYPE_NAMES or status not in SlotStatus._value2member_map_:
+            raise ValueError("not an EPD slot header (magic, version, dtype or status unknown)")
+        return cls(SlotStatus(status), _DTYPE_NAMES[dtype_code], generation, rows, width)
+
+
+def slot_bytes(rows: int, width: int, dtype: str) -> int:
+    """Header plus rows: what one published item occupies."""
+    return HEADER_BYTES + rows * width * DTYPES[dtype].itemsize
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The header's name for a torch dtype; raises KeyError for one it cannot carry."""
+    return {v: k for k, v in DTYPES.items()}[dtype]

@@ -1,0 +1,156 @@
+"""The gateway's clients of the encoder, prefill and decode stages.
+
+Each client owns everything about talking to its stage: picking an instance, wire conversion,
+the deadline passed on to the next hop, the trace span, and turning a failed call
+(``AioRpcError``) into the matching domain error. The pipeline above them only orchestrates,
+in domain types.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator
+
+import grpc
+
+from epd import telemetry, wire
+from epd.domain import EncodedItem, EngineRequest, FinishReason, KvHandoff, MediaInput, NixlLocation
+from epd.errors import DeadlineExceeded, EpdError, FieldViolation, InvalidArgument, Unavailable, from_rpc_error
+from epd.v1 import encoder_pb2
+from gateway.router import StagePool
+
+logger = logging.getLogger(__name__)
+_tracer = telemetry.tracer(__name__)
+
+_RELEASE_TIMEOUT_S = 5.0
+
+
+def time_left(deadline: float | None) -> float | None:
+    """The time left for the next hop, so each stage's deadline is the client's."""
+    if deadline is None:
+        return None
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise DeadlineExceeded("the request's deadline passed before the next stage could start")
+    return left
+
+
+class Leases:
+    """Embedding leases a request was granted, by encoder address, until a consumer reads them."""
+
+    def __init__(self) -> None:
+        self.by_encoder: dict[str, list[str]] = defaultdict(list)
+
+    def add(self, address: str, item: EncodedItem) -> None:
+        if isinstance(item.embedding, NixlLocation):
+            self.by_encoder[address].append(item.embedding.lease_id)
+
+
+class EncoderClient:
+    def __init__(self, pool: StagePool):
+        self.pool = pool
+
+    async def encode(self, request_id: str, media: list[MediaInput], paths: list[str], leases: Leases, deadline: float | None) -> list[EncodedItem]:
+        """Encodes the items over the encoder instances (one call per chosen instance, in
+        parallel), in order; every lease granted is recorded in ``leases``, even on failure."""
+        groups: dict[str, list[int]] = defaultdict(list)
+        for index in range(len(media)):
+            groups[self.pool.pick()].append(index)
+        results: list[EncodedItem | None] = [None] * len(media)
+
+        async def call(address: str, indices: list[int]) -> None:
+            message = encoder_pb2.EncodeRequest(request_id=request_id, items=[wire.media_item_to_wire(media[i]) for i in indices])
+            with self.pool.busy(address) as stub, _tracer.start_as_current_span("encode"):
+                try:
+                    response = await stub.Encode(message, timeout=time_left(deadline))
+                except grpc.aio.AioRpcError as exc:
+                    raise _remap_item_fields(from_rpc_error(exc, peer=f"encoder {address}"), [paths[i] for i in indices]) from exc
+            for i, item in zip(indices, wire.encoded_items_from_wire(response.items), strict=True):
+                results[i] = item
+                leases.add(address, item)
+
+        # Let every call finish before raising, so that each lease granted is recorded.
+        outcomes = await asyncio.gather(*(call(address, indices) for address, indices in groups.items()), return_exceptions=True)
+        for outcome in outcomes:
+            if isinstance(outcome, BaseException):
+                raise outcome
+        return list(results)
+
+    async def release(self, leases: Leases) -> None:
+        """Frees leases no consumer will read, so they need not wait for their TTL."""
+        for address, lease_ids in leases.by_encoder.items():
+            try:
+                await self.pool.stub(address).ReleaseEmbeddings(encoder_pb2.ReleaseEmbeddingsRequest(lease_ids=lease_ids), timeout=_RELEASE_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                logger.warning("could not release %d leases on %s (they expire by TTL): %s", len(lease_ids), address, exc.details())
+
+
+class PrefillClient:
+    def __init__(self, pool: StagePool):
+        self.pool = pool
+
+    async def prefill(self, request: EngineRequest, deadline: float | None) -> KvHandoff:
+        address = self.pool.pick()
+        with self.pool.busy(address) as stub, _tracer.start_as_current_span("prefill"):
+            try:
+                response = await stub.Prefill(wire.prefill_request_to_wire(request), timeout=time_left(deadline))
+            except grpc.aio.AioRpcError as exc:
+                raise from_rpc_error(exc, peer=f"prefill {address}") from exc
+        return wire.kv_handoff_from_wire(response.kv_handoff)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeDelta:
+    token_ids: list[int]
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeEnd:
+    reason: FinishReason
+    prompt_token_count: int
+
+
+class DecodeClient:
+    def __init__(self, pool: StagePool):
+        self.pool = pool
+
+    async def decode(self, request: EngineRequest, deadline: float | None) -> AsyncIterator[DecodeDelta | DecodeEnd]:
+        """Streams the decode stage's tokens, then one :class:`DecodeEnd`; leaving early
+        cancels the call, which aborts the engine request."""
+        address = self.pool.pick()
+        with self.pool.busy(address) as stub, _tracer.start_as_current_span("decode"):
+            call = stub.Decode(wire.decode_request_to_wire(request), timeout=time_left(deadline))
+            try:
+                async for response in call:
+                    if response.token_ids:
+                        yield DecodeDelta(list(response.token_ids), response.text)
+                    if response.finish_reason:
+                        yield DecodeEnd(wire.finish_reason_from_wire(response.finish_reason), response.prompt_token_count)
+                        return
+            except grpc.aio.AioRpcError as exc:
+                raise from_rpc_error(exc, peer=f"decode {address}") from exc
+            finally:
+                call.cancel()  # no-op once done
+        raise Unavailable(f"decode {address} ended its stream without a finish reason")
+
+
+def _remap_item_fields(error: EpdError, paths: list[str]) -> EpdError:
+    """Rewrites an encoder's ``items[i].x`` field paths into the public request's paths."""
+    if not isinstance(error, InvalidArgument):
+        return error
+    violations = []
+    for v in error.violations:
+        field = "messages" if v.field == "items" else v.field  # the whole item list: the chat
+        for index, path in enumerate(paths):
+            prefix = f"items[{index}]"
+            if field == prefix or field.startswith(prefix + ".") or field.startswith(prefix + "["):
+                field = path + field[len(prefix) :]
+                break
+        violations.append(FieldViolation(field, v.description))
+    message = "; ".join(f"{v.field} {v.description}" for v in violations) or error.message
+    return InvalidArgument(f"invalid media: {message}", violations)

@@ -1,0 +1,158 @@
+"""The domain logic of the language-model stages (prefill, decode, combined E+PD), in one place.
+
+A stage turns an :class:`EngineRequest` (prompt token ids with one placeholder per item, item
+metadata, embedding locations, a KV handoff) into vLLM's prompt: each item becomes vLLM's
+metadata-only item, built from the fields this model declares (``epd.mm_items``), under its
+content hash; vLLM's processor expands the placeholders from them exactly as the encoder's vLLM
+did from the media. The expanded layout is then checked against the encoder's before anything
+runs. Embeddings reach the engine through the EC connector (prefill, combined), never through
+this process; decode needs none, since the KV already holds them.
+
+Items whose modality has no metadata-only path on this model arrive with their media
+(``forwarded_media``), as does every item under the benchmarks' media-forwarding baseline;
+the stage decodes it and vLLM lays it out from the media, while the embedding still comes from
+the encoder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections import defaultdict
+from collections.abc import AsyncIterator
+
+from epd.domain import EncodedItem, EngineRequest, InlineEmbedding, KvHandoff
+from epd.engine import Engine, EngineRole, EngineStep, RenderedPrompt, kv_params_for_decode, kv_params_for_prefill
+from epd.errors import FailedPrecondition, FieldViolation, InvalidArgument, Unavailable
+from epd.media import MediaLimits
+from epd.mm_items import batch_fields, vllm_fields
+from epd.transport.ec_params import ExpectedItem, expected_to_params
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillResult:
+    first_token_id: int
+    kv_handoff: KvHandoff
+    prompt_token_count: int
+    engine_s: float
+
+
+class EngineStage:
+    def __init__(self, engine: Engine, *, allow_inline: bool = False):
+        self.engine = engine
+        self.role = engine.config.role
+        self.allow_inline = allow_inline
+        self._decoder = None  # built on the first forwarded media only
+
+    async def prefill(self, request: EngineRequest) -> PrefillResult:
+        """Prefills and leaves the KV for a decode engine."""
+        self._check_role(request)
+        prompt = await self._prompt(request)
+        started = time.perf_counter()
+        last: EngineStep | None = None
+        async for step in self.engine.generate(
+            f"{request.request_id}-prefill", prompt, request.sampling, kv_params=kv_params_for_prefill(), ec_params=self._ec_params(request), max_tokens=1
+        ):
+            last = step
+        if last is None or last.kv_handoff is None or not last.token_ids:
+            raise Unavailable("prefill engine finished without a KV handoff")
+        return PrefillResult(last.token_ids[0], last.kv_handoff, last.prompt_token_count, time.perf_counter() - started)
+
+    async def decode(self, request: EngineRequest) -> AsyncIterator[EngineStep]:
+        """Streams the reply: from a KV handoff (decode), or the whole generation (combined)."""
+        self._check_role(request)
+        prompt = await self._prompt(request)
+        kv_params = kv_params_for_decode(request.kv_handoff) if request.kv_handoff is not None else None
+        async for step in self.engine.generate(f"{request.request_id}-decode", prompt, request.sampling, kv_params=kv_params, ec_params=self._ec_params(request)):
+            yield step
+
+    # ---- internals ----------------------------------------------------------------------
+
+    def _check_role(self, request: EngineRequest) -> None:
+        if self.role is EngineRole.DECODE and request.kv_handoff is None:
+            raise FailedPrecondition("this decode service runs in decode mode and needs kv_handoff (use a combined instance for E+PD)")
+        if self.role is not EngineRole.DECODE and request.kv_handoff is not None:
+            raise FailedPrecondition(f"this {self.role.value} service cannot take a kv_handoff")
+        if self.role is EngineRole.DECODE:
+            return  # the KV holds the embeddings; handles are ignored
+        violations = []
+        for index, item in enumerate(request.items):
+            if item.embedding is None:
+                violations.append(FieldViolation(f"items[{index}].embedding", "is required"))
+            elif isinstance(item.embedding, InlineEmbedding) and not self.allow_inline:
+                raise FailedPrecondition("inline embeddings are disabled on this service (start it with --allow-inline-embeddings)")
+        if violations:
+            raise InvalidArgument("embedding handles are missing", violations)
+
+    def _ec_params(self, request: EngineRequest) -> dict | None:
+        if self.role is EngineRole.DECODE or not request.items:
+            return None
+        return expected_to_params(
+            {
+                item.metadata.content_hash: ExpectedItem(*item.metadata.embedding_shape, item.metadata.embedding_dtype, item.embedding)
+                for item in request.items
+            }
+        )
+
+    async def _prompt(self, request: EngineRequest) -> RenderedPrompt:
+        """vLLM's prompt for the request, rendered, with its layout checked against the encoder's."""
+        data: dict[str, list] = defaultdict(list)
+        uuids: dict[str, list[str]] = defaultdict(list)
+        media_items = [(i, item) for i, item in enumerate(request.items) if item.forwarded_media is not None]
+        decoded = await self._decode_forwarded(media_items)
+        for index, item in enumerate(request.items):
+            modality = item.metadata.modality
+            if index in decoded:
+                data[modality.value].append(decoded[index])
+            else:
+                if item.metadata.layout_needs_media:
+                    raise InvalidArgument.for_field(f"items[{index}].forwarded_media", f"is required: this model has no metadata-only layout for {modality.value}")
+                data[modality.value].append(vllm_fields(item.metadata, self.engine.metadata_fields(modality), f"items[{index}].metadata"))
+            uuids[modality.value].append(item.metadata.content_hash)
+        multi_modal_data = {}
+        for modality, values in data.items():
+            if any(isinstance(v, dict) for v in values) and not all(isinstance(v, dict) for v in values):
+                raise InvalidArgument.for_field("items", f"{modality} items must all come as metadata or all with their media")
+            multi_modal_data[modality] = batch_fields(values) if isinstance(values[0], dict) else values
+        prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
+        if multi_modal_data:
+            prompt.update(multi_modal_data=multi_modal_data, multi_modal_uuids=dict(uuids))
+        rendered = await self.engine.render(prompt, "items" if request.items else "prompt.token_ids")
+        _check_layout(request.items, rendered)
+        return rendered
+
+    async def _decode_forwarded(self, items: list[tuple[int, EncodedItem]]) -> dict[int, object]:
+        if not items:
+            return {}
+        from epd.media.decode import MediaDecoder, vllm_input
+
+        if self._decoder is None:
+            self._decoder = await asyncio.to_thread(MediaDecoder.for_model, self.engine.config.model, MediaLimits())
+        media = [item.forwarded_media for _, item in items]
+        values = await asyncio.to_thread(self._decoder.decode_all, media, [f"items[{i}].forwarded_media" for i, _ in items])
+        return {index: vllm_input(m.modality, value) for (index, _), m, value in zip(items, media, values, strict=True)}
+
+
+def _check_layout(items: tuple[EncodedItem, ...], rendered: RenderedPrompt) -> None:
+    """This engine must lay every item out as the encoder's did: same run, same row count.
+
+    A mismatch means forged or corrupted metadata, or encoder and stage disagreeing on the
+    model; either way the request must not run.
+    """
+    if len(rendered.placeholders) != len(items):
+        raise InvalidArgument.for_field("prompt.token_ids", f"holds {len(rendered.placeholders)} media placeholders but the request has {len(items)} items")
+    violations = []
+    for index, (item, (modality, length, rows)) in enumerate(zip(items, rendered.placeholders, strict=True)):
+        meta = item.metadata
+        if modality != meta.modality.value:
+            violations.append(FieldViolation(f"items[{index}].metadata.modality", f"is {meta.modality.value}; the prompt's placeholder {index} is {modality}"))
+        elif (length, rows) != (meta.placeholder_length, meta.placeholder_count):
+            violations.append(
+                FieldViolation(
+                    f"items[{index}].metadata",
+                    f"says {meta.placeholder_count} embedding rows in a run of {meta.placeholder_length} tokens; this model lays the item out as {rows} in {length}",
+                )
+            )
+    if violations:
+        raise InvalidArgument("multimodal metadata disagrees with the model's layout", violations)
