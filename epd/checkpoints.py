@@ -1,10 +1,13 @@
-"""Tiny random-weight Qwen-VL and Qwen2-Audio checkpoints, built offline and deterministically.
+"""Tiny random-weight multimodal checkpoints (Qwen-VL, Qwen2-Audio, Qwen Omni thinkers, Audio
+Flamingo 3), built offline and deterministically.
 
 No vision- or audio-language weights can be downloaded here, so tests, benchmarks and the
 demo run on checkpoints that this module builds from a seed: a byte-level BPE tokenizer
 trained on a made-up corpus, Hugging Face configs for the model, tokenizer and processors, and
 random float32 weights in sharded safetensors. The result loads in transformers and in vLLM
-exactly like a real Qwen2.5-VL, Qwen3-VL or Qwen2-Audio checkpoint, only a few MB large.
+exactly like a real Qwen2.5-VL, Qwen3-VL, Qwen2-Audio, Qwen2.5-Omni, Qwen3-Omni (MoE) or Audio
+Flamingo 3 checkpoint, only a few MB large. The Omni checkpoints hold the thinker only (image,
+video and audio in, text out; ``enable_audio_output`` false), which is all vLLM serves of them.
 
 Layout of a built checkpoint::
 
@@ -12,10 +15,11 @@ Layout of a built checkpoint::
     generation_config.json              eos / pad ids
     tokenizer.json, tokenizer_config.json
     chat_template.jinja                 read by both AutoTokenizer and AutoProcessor
-    preprocessor_config.json            image processor (audio: Whisper feature extractor)
-    video_preprocessor_config.json      video processor (vision families only)
+    preprocessor_config.json            image processor and/or Whisper feature extractor
+    video_preprocessor_config.json      video processor (vision and Omni families only)
     processor_config.json               processor class
-    model-00001-of-00003.safetensors    the tower only (vision tower, or audio tower + projector)
+    spk_dict.pt                         Qwen2.5-Omni only: no talker voices (an empty dict)
+    model-00001-of-00003.safetensors    the tower only (vision and/or audio tower + projector)
     model-00002-of-00003.safetensors    embeddings + first half of the decoder layers
     model-00003-of-00003.safetensors    second half of the layers + final norm + lm_head
     model.safetensors.index.json
@@ -969,10 +973,16 @@ def _build_omni_config(
         "tie_word_embeddings": False,
         "dtype": "float32",
     }
+    # The talker is never built, but its config is written anyway; its copies of the
+    # placeholder and marker ids are kept equal to the thinker's, as released.
+    talker_config = {
+        "vision_start_token_id": thinker_config["vision_start_token_id"],
+        "audio_start_token_id": thinker_config["audio_start_token_id"],
+    }
+    top_level: dict[str, Any] = {}
     user_ids = tokenizer.encode("user", add_special_tokens=False).ids
     if len(user_ids) == 1:
         thinker_config["user_token_id"] = user_ids[0]  # marks user turns in the talker's input
-    top_level: dict[str, Any] = {}
     if family == "qwen2_5_omni":
         config_class = transformers.Qwen2_5OmniConfig
         # One windowed and one full-attention block, as for Qwen2.5-VL.
@@ -981,6 +991,8 @@ def _build_omni_config(
         # them); vLLM reads the ``*_index`` spellings.
         for key in ("image", "video", "audio"):
             thinker_config[f"{key}_token_index"] = thinker_config.pop(f"{key}_token_id")
+            talker_config[f"{key}_token_index"] = thinker_config[f"{key}_token_index"]
+        talker_config |= {key: thinker_config[key] for key in ("vision_end_token_id", "audio_end_token_id")}
     else:
         config_class = transformers.Qwen3OmniMoeConfig
         text_config |= {
@@ -1002,10 +1014,14 @@ def _build_omni_config(
             "deepstack_visual_indexes": [0],
         }
         audio_config |= {"downsample_hidden_size": _QWEN3_OMNI_AUDIO_DOWNSAMPLE}
+        talker_config |= {f"{key}_token_id": thinker_config[f"{key}_token_id"] for key in ("image", "video", "audio")}
         top_level = {"im_start_token_id": token_ids["<|im_start|>"], "im_end_token_id": token_ids["<|im_end|>"]}
+        if "user_token_id" in thinker_config:
+            top_level["user_token_id"] = thinker_config["user_token_id"]
     thinker_config |= {"text_config": text_config, "vision_config": vision_config, "audio_config": audio_config}
     return config_class(
         thinker_config=thinker_config,
+        talker_config=talker_config,
         enable_audio_output=False,
         architectures=[spec.architecture],
         dtype="float32",

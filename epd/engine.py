@@ -27,6 +27,7 @@ from typing import Any
 
 from epd.domain import FinishReason, KvHandoff, Modality, Sampling
 from epd.errors import InvalidArgument, Unavailable
+from epd.ports import free_port
 
 logger = logging.getLogger(__name__)
 
@@ -274,7 +275,7 @@ class Engine:
                 await self._llm.abort(request_id)
 
     def _ec_transfer_config(self) -> dict[str, Any]:
-        from epd.transport.ec_connector import ConnectorConfig
+        from epd.transport.ec_config import ConnectorConfig
 
         config = self.config
         connector = ConnectorConfig(
@@ -368,13 +369,5 @@ def _configure_vllm_environment(config: EngineConfig) -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if config.role.kv_role is not None:
         os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = config.nixl_side_channel_host
-        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(config.nixl_side_channel_port or _free_port(config.nixl_side_channel_host))
-
-
-def _free_port(host: str) -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+        os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(config.nixl_side_channel_port or free_port(config.nixl_side_channel_host))
 

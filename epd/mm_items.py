@@ -89,11 +89,12 @@ def vllm_fields(metadata: ItemMetadata, wanted: Iterable[str], path: str) -> dic
         if value is None:
             value = metadata.engine_fields.get(name)
         if value is None:
-            missing.append(FieldViolation(f"{path}.engine_fields", f"lacks {name!r}, which this model needs to lay out {metadata.modality.value} items"))
+            field = _TYPED_NAMES.get(name.removeprefix(f"{metadata.modality.value}_"), f"engine_fields[{name!r}]")
+            missing.append(FieldViolation(f"{path}.{field}", f"is required: this model needs {name!r} to lay out {metadata.modality.value} items"))
         else:
             fields[name] = engine_field_to_vllm(value)
     if missing:
-        raise InvalidArgument("multimodal metadata is incomplete", missing)
+        raise InvalidArgument("multimodal metadata is incomplete: " + "; ".join(f"{v.field} {v.description}" for v in missing), missing)
     return fields
 
 
@@ -113,6 +114,16 @@ def batch_fields(per_item: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
 
 
 # ---- well-known fields ------------------------------------------------------------------
+
+# vLLM's field name (without a "<modality>_" prefix) -> the typed field of the contract.
+_TYPED_NAMES = {
+    "grid_thw": "grid_thw",
+    "timestamps": "video_timestamps_s",
+    "second_per_grid_ts": "second_per_grid_ts",
+    "audio_feature_lengths": "audio_feature_length",
+    "audio_num_tokens": "audio_token_count",
+}
+
 
 
 def _typed_value(modality: Modality, name: str, value: EngineField) -> dict[str, Any] | None:

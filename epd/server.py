@@ -174,5 +174,12 @@ def _bind_engine_gauges(engine) -> None:
         "failed_loads": telemetry.EMBEDDING_LOAD_FAILURES,
     }
     for name, read in counters.items():
+        modality, _, kind = name.partition("_")
         if name in bindings:
             bindings[name].set_function(read)
+        elif kind == "batches":
+            telemetry.ENCODER_BATCHES.labels(modality=modality).set_function(read)
+        elif kind == "batch_items":
+            telemetry.ENCODER_BATCH_ITEMS.labels(modality=modality).set_function(read)
+        elif kind == "bytes":
+            telemetry.EMBEDDING_BYTES_LOADED.labels(transport=modality).set_function(read)

@@ -34,9 +34,12 @@ ENCODER_SECONDS = Histogram(
 # Read at scrape time from the EC connector's shared buffer (the engine process keeps them).
 ARENA_LEASES = Gauge("epd_arena_leases", "Live embedding leases in the encoder's arena")
 ARENA_FREE_SLOTS = Gauge("epd_arena_free_slots", "Arena slots not held by a lease")
+ENCODER_BATCHES = Gauge("epd_encoder_batches", "Encoder engine steps that encoded items of the modality (cumulative)", ["modality"])
+ENCODER_BATCH_ITEMS = Gauge("epd_encoder_batch_items", "Items those steps encoded, across requests (cumulative)", ["modality"])
 RECEIVE_ITEMS = Gauge("epd_receive_buffer_items", "Encoder outputs held in this engine's receive buffer")
 RECEIVE_FREE_PAGES = Gauge("epd_receive_buffer_free_pages", "Free pages of this engine's embedding receive buffer")
 EMBEDDING_LOAD_FAILURES = Gauge("epd_embedding_load_failures", "Embedding loads that failed since the engine started")
+EMBEDDING_BYTES_LOADED = Gauge("epd_embedding_bytes_loaded", "Embedding bytes loaded into this engine since it started, by transport", ["transport"])
 
 
 def configure_tracing(service_name: str, otlp_endpoint: str | None) -> None:
@@ -69,8 +72,9 @@ def start_metrics_server(port: int | None, host: str) -> int | None:
 
 
 def scrape(metrics_port: int, host: str = "127.0.0.1") -> dict[str, float]:
-    """A service's Prometheus samples, by name (labels dropped; samples summed). For tests,
-    benchmarks and quick looks; production scrapes with Prometheus itself."""
+    """A service's Prometheus samples, by name with labels dropped (samples summed), and by
+    ``name{label=value,...}`` too. For tests, benchmarks and quick looks; production scrapes
+    with Prometheus itself."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -80,4 +84,7 @@ def scrape(metrics_port: int, host: str = "127.0.0.1") -> dict[str, float]:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             samples[sample.name] = samples.get(sample.name, 0.0) + sample.value
+            if sample.labels:
+                labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()))
+                samples[f"{sample.name}{{{labels}}}"] = sample.value
     return samples

@@ -155,4 +155,4 @@ def _check_layout(items: tuple[EncodedItem, ...], rendered: RenderedPrompt) -> N
                 )
             )
     if violations:
-        raise InvalidArgument("multimodal metadata disagrees with the model's layout", violations)
+        raise InvalidArgument("multimodal metadata disagrees with the model's layout: " + "; ".join(f"{v.field} {v.description}" for v in violations), violations)

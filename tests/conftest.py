@@ -22,10 +22,16 @@ from tests.otlp import OtlpReceiver
 
 DEFAULT_FAMILY = "qwen2_5_vl"
 CHECKPOINT_ROOT = pathlib.Path(os.environ.get("EPD_TEST_CHECKPOINTS", pathlib.Path(__file__).resolve().parents[1] / "checkpoints"))
+# A stack key is a checkpoint family, optionally with "@<dtype>" (the default dtype is float32).
+BF16 = "bfloat16"
 
 
 def checkpoint(family: str, *, vision_seed: int | None = None) -> pathlib.Path:
     return ensure_tiny_checkpoint(family, CHECKPOINT_ROOT, seed=0, vision_seed=vision_seed)
+
+
+def stack_key(family: str, dtype: str = "float32") -> str:
+    return family if dtype == "float32" else f"{family}@{dtype}"
 
 
 @dataclasses.dataclass
@@ -45,11 +51,12 @@ class FamilyStack:
         return gateway_stub(self.gateways[mode].address)
 
 
-def _start_family(family: str, log_dir: pathlib.Path, otlp_endpoint: str) -> FamilyStack:
+def _start_family(key: str, log_dir: pathlib.Path, otlp_endpoint: str) -> FamilyStack:
+    family, _, dtype = key.partition("@")
     model = str(checkpoint(family))
-    stack = Stack(log_dir / family)
+    stack = Stack(log_dir / key)
     try:
-        return _start_services(family, model, stack, otlp_endpoint)
+        return _start_services(key, model, stack, otlp_endpoint, ["--dtype", dtype or "float32"])
     except BaseException:
         stack.stop()
         raise
@@ -60,14 +67,14 @@ MAX_VIDEO_FRAMES = 120
 MEDIA_LIMITS = ["--max-video-frames", str(MAX_VIDEO_FRAMES)]
 
 
-def _start_services(family: str, model: str, stack: Stack, otlp_endpoint: str) -> FamilyStack:
+def _start_services(family: str, model: str, stack: Stack, otlp_endpoint: str, dtype: list[str]) -> FamilyStack:
     observability = ["--metrics-port", "0", "--otlp-endpoint", otlp_endpoint]
-    encoder = stack.start("encoder", ["encoder", "--model", model, *MEDIA_LIMITS, *observability])
-    prefill = stack.start("prefill", ["prefill", "--model", model, *observability])
-    decode = stack.start("decode", ["decode", "--model", model, "--mode", "decode", *observability])
+    encoder = stack.start("encoder", ["encoder", "--model", model, *dtype, *MEDIA_LIMITS, *observability])
+    prefill = stack.start("prefill", ["prefill", "--model", model, *dtype, *observability])
+    decode = stack.start("decode", ["decode", "--model", model, *dtype, "--mode", "decode", *observability])
     # The combined instance also accepts inline embeddings (test_data_path covers both transports).
-    combined = stack.start("combined", ["decode", "--model", model, "--mode", "combined", "--allow-inline-embeddings", *observability])
-    monolithic = start_monolithic(stack, model, extra=[*MEDIA_LIMITS, *observability])
+    combined = stack.start("combined", ["decode", "--model", model, *dtype, "--mode", "combined", "--allow-inline-embeddings", *observability])
+    monolithic = start_monolithic(stack, model, extra=[*dtype, *MEDIA_LIMITS, *observability])
     stack.wait_ready([encoder, prefill, decode, combined], timeout=600)
     gateways = {"monolithic": monolithic}
     gateways["epd"] = stack.start(
@@ -120,7 +127,7 @@ def stacks(tmp_path_factory, otlp_receiver):
 
 @pytest.fixture
 def family_stack(stacks, request) -> FamilyStack:
-    """The stack of the test's ``family`` parameter (default: Qwen2.5-VL)."""
+    """The stack of the test's ``family`` parameter, a stack key (default: Qwen2.5-VL, fp32)."""
     return stacks.get(_family_of(request.node))
 
 

@@ -35,3 +35,34 @@ def violations(error: grpc.aio.AioRpcError) -> list[str]:
         if detail.Unpack(bad_request):
             fields += [v.field for v in bad_request.field_violations]
     return fields
+
+
+async def encode_then_prefill(family_stack, parts: list, mutate=None) -> grpc.aio.AioRpcError | None:
+    """Encodes a chat's media on the stack's encoder, lets ``mutate`` edit the encoded items
+    (protobuf ``EncodedItem`` list), then sends them to prefill directly in the prompt the
+    gateway would render. Returns the prefill's error, or None if it succeeded. Like the
+    gateway, it gives back the leases of a refused request."""
+    from epd import wire
+    from epd.client import chat_request
+    from epd.prompt import PromptRenderer
+    from epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc, engine_pb2, prefill_pb2, prefill_pb2_grpc
+
+    chat = wire.generate_request_from_wire(chat_request(parts, max_tokens=4))
+    async with grpc.aio.insecure_channel(family_stack.encoder.address) as enc, grpc.aio.insecure_channel(family_stack.prefill.address) as pre:
+        encode = encoder_pb2.EncodeRequest(request_id="direct", items=[wire.media_item_to_wire(m) for m in chat.media])
+        items = list((await encoder_pb2_grpc.EncoderServiceStub(enc).Encode(encode, timeout=60)).items)
+        if mutate is not None:
+            mutate(items)
+        request = prefill_pb2.PrefillRequest(
+            request_id=f"direct-{chat.request_id}",
+            prompt=engine_pb2.EnginePrompt(token_ids=PromptRenderer(family_stack.model).render(chat.messages)),
+            items=items,
+            sampling=common_pb2.SamplingParams(max_tokens=4, temperature=0),
+        )
+        try:
+            await prefill_pb2_grpc.PrefillServiceStub(pre).Prefill(request, timeout=60)
+        except grpc.aio.AioRpcError as exc:
+            leases = [item.embedding.nixl.lease_id for item in items if item.embedding.HasField("nixl")]
+            await encoder_pb2_grpc.EncoderServiceStub(enc).ReleaseEmbeddings(encoder_pb2.ReleaseEmbeddingsRequest(lease_ids=leases), timeout=10)
+            return exc
+    return None

@@ -7,8 +7,8 @@ import pytest
 
 from epd.client import chat_request, generate
 from epd.testing import synthetic_image_png
-from epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc, engine_pb2, gateway_pb2, multimodal_pb2, prefill_pb2, prefill_pb2_grpc
-from tests.helpers import violations, wait_for_metric
+from epd.v1 import gateway_pb2
+from tests.helpers import encode_then_prefill, violations, wait_for_metric
 
 PNG = synthetic_image_png(120, 90, seed=5)
 
@@ -36,29 +36,19 @@ async def test_bad_request_gets_invalid_argument_with_field(family_stack, mode, 
     assert field in info.value.details()
 
 
-async def test_embedding_rows_not_matching_metadata_fail_only_that_request(family_stack):
-    async with grpc.aio.insecure_channel(family_stack.encoder.address) as enc_channel, grpc.aio.insecure_channel(family_stack.prefill.address) as pre_channel:
-        encoded = await encoder_pb2_grpc.EncoderServiceStub(enc_channel).Encode(
-            encoder_pb2.EncodeRequest(request_id="rows", items=[multimodal_pb2.MediaItem(image=multimodal_pb2.Media(data=PNG, mime_type="image/png"))])
-        )
-        (item,) = encoded.items
-        # Consistent metadata for a taller image than the one encoded: only the bytes disagree.
-        item.metadata.grid_thw.h += 2
-        rows = item.metadata.grid_thw.t * item.metadata.grid_thw.h * item.metadata.grid_thw.w // 4
-        item.metadata.placeholder_count = rows
-        item.metadata.embedding_shape[0] = rows
-        image_token = item.metadata.placeholder_token_id
-        request = prefill_pb2.PrefillRequest(
-            request_id="rows-mismatch",
-            prompt=engine_pb2.EnginePrompt(token_ids=[1, 2, image_token, 3]),
-            items=[item],
-            sampling=common_pb2.SamplingParams(max_tokens=4, temperature=0),
-        )
-        with pytest.raises(grpc.aio.AioRpcError) as info:
-            await prefill_pb2_grpc.PrefillServiceStub(pre_channel).Prefill(request, timeout=60)
-    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "items[0].metadata.embedding_shape" in violations(info.value)
-    assert "rows" in info.value.details()
+async def test_metadata_that_the_model_lays_out_differently_fails_only_that_request(family_stack):
+    """A consistent forgery (more rows, with shape and count to match) disagrees with the
+    layout the prefill engine's own vLLM derives from the grid: refused before anything runs."""
+
+    def more_rows(items):
+        meta = items[0].metadata
+        meta.placeholder_count += 4
+        meta.embedding_shape[0] += 4
+
+    error = await encode_then_prefill(family_stack, [(PNG, "image/png"), "Hi"], more_rows)
+    assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+    assert "items[0].metadata" in violations(error)
+    assert "embedding rows" in error.details()
 
 
 async def test_service_keeps_serving_and_leaks_no_slot_after_bad_input(family_stack):

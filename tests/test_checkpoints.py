@@ -530,17 +530,25 @@ def hf_greedy_multimodal(directory: pathlib.Path) -> dict[str, dict[str, list[in
     model = getattr(transformers, config.architectures[0]).from_pretrained(directory).eval()
     model = getattr(model, "thinker", model)  # an Omni model generates text with its thinker
     results = {}
-    for modality in MODALITIES[config.model_type]:
-        text = processor.apply_chat_template(multimodal_messages([modality]), tokenize=False, add_generation_prompt=True)
-        for seed in (0, 1):
-            inputs = hf_inputs(processor, text, modality, seed)
-            with torch.no_grad():
-                generated = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
-            prompt_len = inputs["input_ids"].shape[1]
-            results[f"{modality}-{seed}"] = {
-                "prompt_token_ids": inputs["input_ids"][0].tolist(),
-                "token_ids": generated[0, prompt_len:].tolist(),
-            }
+    # One intra-op thread: these models run thousands of tiny kernels (Qwen3-Omni's experts
+    # one by one), and on a loaded 2-core box two threads that must meet at every kernel were
+    # ten times slower than one (2 s instead of 0.2 s per generate).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for modality in MODALITIES[config.model_type]:
+            text = processor.apply_chat_template(multimodal_messages([modality]), tokenize=False, add_generation_prompt=True)
+            for seed in (0, 1):
+                inputs = hf_inputs(processor, text, modality, seed)
+                with torch.no_grad():
+                    generated = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+                prompt_len = inputs["input_ids"].shape[1]
+                results[f"{modality}-{seed}"] = {
+                    "prompt_token_ids": inputs["input_ids"][0].tolist(),
+                    "token_ids": generated[0, prompt_len:].tolist(),
+                }
+    finally:
+        torch.set_num_threads(threads)
     return results
 
 
@@ -672,7 +680,7 @@ def test_multimodal_vllm_matches_transformers_greedy(multimodal_checkpoints: dic
     directory = multimodal_checkpoints[family]
     result_file = tmp_path / "vllm.json"
     # In-process engine: starts much faster than a spawned one on a loaded 2-core box.
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
     run = subprocess.run([sys.executable, __file__, str(directory), str(result_file)], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     vllm_result = json.loads(result_file.read_text())

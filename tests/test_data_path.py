@@ -57,9 +57,10 @@ async def test_embeddings_travel_over_nixl_and_decide_the_tokens(family_stack):
     """An encoder with different vision weights (same language model) changes the tokens."""
     png = synthetic_image_png(170, 110, seed=33)  # unique: no engine has cached this image
     request = chat_request([(png, "image/png"), "Describe."], max_tokens=16)
-    before = scrape(family_stack.prefill.metrics_port).get("epd_nixl_read_bytes_total", 0.0)
+    loaded = "epd_embedding_bytes_loaded{transport=nixl}"
+    before = scrape(family_stack.prefill.metrics_port).get(loaded, 0.0)
     normal = await generate(family_stack.gateway_stub("epd"), request, timeout=120)
-    read = scrape(family_stack.prefill.metrics_port)["epd_nixl_read_bytes_total"] - before
+    read = scrape(family_stack.prefill.metrics_port)[loaded] - before
     assert read > 0, "prefill read no embedding bytes over NIXL"
 
     stack = family_stack.stack
@@ -88,7 +89,7 @@ async def test_inline_transport_only_where_explicitly_allowed(family_stack):
     model = family_stack.model
     request = chat_request([(synthetic_image_png(144, 120, seed=81), "image/png"), "Inline?"], max_tokens=16, min_tokens=16)
     oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=120)
-    with stack.temporary("encoder-inline", ["encoder", "--model", model, "--transport", "inline"]) as encoder:
+    with stack.temporary("encoder-inline", ["encoder", "--model", model, "--embedding-transport", "inline"]) as encoder:
         combined_args = gateway_args(model, "epd-combined", encoders=[encoder.address], decodes=[family_stack.combined.address])
         with stack.temporary("gateway-inline-combined", combined_args) as gateway:
             result = await generate(gateway_stub(gateway.address), request, timeout=120)

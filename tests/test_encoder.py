@@ -1,62 +1,80 @@
-"""Encoder behaviour under load: cross-request batching (with identical results), arena
-exhaustion as RESOURCE_EXHAUSTED with RetryInfo, and explicit lease release."""
+"""The encoder service: vLLM's encoder-only engine loads only tower shards, concurrent requests
+give the same results as alone, a full arena holds requests back and then refuses them with
+RESOURCE_EXHAUSTED and RetryInfo, and explicit release frees leases."""
 
 from __future__ import annotations
 
 import asyncio
+import pathlib
+import shutil
 
 import grpc
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from epd.telemetry import scrape
 from epd.testing import synthetic_image_png
 from epd.v1 import encoder_pb2, encoder_pb2_grpc, multimodal_pb2
+from tests.helpers import wait_for_metric
 
 SLOTS = 4
+SLOT_BYTES = 16384  # a 112x112 image is 16 rows x 128 floats = 8 KiB plus a 64-byte header
 
 
 def _encode_request(seed: int) -> encoder_pb2.EncodeRequest:
-    png = synthetic_image_png(112, 112, seed=seed)  # 8x8 patches -> 16 rows x 128 floats = 8 KiB: one slot
+    png = synthetic_image_png(112, 112, seed=seed)
     return encoder_pb2.EncodeRequest(request_id=f"r{seed}", items=[multimodal_pb2.MediaItem(image=multimodal_pb2.Media(data=png, mime_type="image/png"))])
 
 
 @pytest.fixture
 def small_encoder(family_stack):
-    """An encoder with a 4-slot arena and a long batching window."""
-    args = ["encoder", "--model", family_stack.model, "--metrics-port", "0", "--batch-wait-ms", "500"]
-    args += ["--arena-slots", str(SLOTS), "--arena-slot-bytes", "16384", "--lease-ttl-s", "120"]
+    """An encoder whose arena holds four images, and that waits at most 3 s for room."""
+    args = ["encoder", "--model", family_stack.model, "--metrics-port", "0", "--arena-slot-bytes", str(SLOT_BYTES)]
+    args += ["--embedding-buffer-bytes", str(4096 + SLOTS * SLOT_BYTES), "--lease-ttl-s", "120", "--queue-timeout-s", "3"]
     with family_stack.stack.temporary("encoder-small-arena", args) as encoder:
         yield encoder
 
 
-async def test_batching_arena_exhaustion_and_release(small_encoder, family_stack):
+async def test_concurrency_arena_exhaustion_and_release(small_encoder, family_stack):
     async with grpc.aio.insecure_channel(small_encoder.address) as channel, grpc.aio.insecure_channel(family_stack.encoder.address) as reference_channel:
         stub = encoder_pb2_grpc.EncoderServiceStub(channel)
-        before = scrape(small_encoder.metrics_port)
-        batched = await asyncio.gather(*(stub.Encode(_encode_request(seed), timeout=60) for seed in range(SLOTS)))
-        after = scrape(small_encoder.metrics_port)
-        # Four concurrent requests went through the tower as one batch.
-        assert after["epd_encoder_batch_items_count"] - before.get("epd_encoder_batch_items_count", 0) == 1
-        assert after["epd_encoder_batch_items_sum"] - before.get("epd_encoder_batch_items_sum", 0) == SLOTS
-        # Batching changes nothing: the shared encoder, encoding each alone, gives the same metadata.
+        together = await asyncio.gather(*(stub.Encode(_encode_request(seed), timeout=60) for seed in range(SLOTS)))
+        # Sharing engine steps changes nothing: the shared encoder, encoding each alone, agrees.
         reference = encoder_pb2_grpc.EncoderServiceStub(reference_channel)
-        for seed, response in enumerate(batched):
+        for seed, response in enumerate(together):
             alone = await reference.Encode(_encode_request(seed), timeout=60)
             assert response.items[0].metadata == alone.items[0].metadata
             assert response.items[0].embedding.WhichOneof("transport") == "nixl"
             await reference.ReleaseEmbeddings(encoder_pb2.ReleaseEmbeddingsRequest(lease_ids=[alone.items[0].embedding.nixl.lease_id]))
+        assert await wait_for_metric(small_encoder.metrics_port, "epd_arena_leases", float(SLOTS)) == SLOTS
 
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stub.Encode(_encode_request(99), timeout=60)
-        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, info.value.details()
         retry = error_details_pb2.RetryInfo()
         assert any(d.Unpack(retry) for d in rpc_status.from_call(info.value).details)
 
-        leases = [r.items[0].embedding.nixl.lease_id for r in batched]
-        released = await stub.ReleaseEmbeddings(encoder_pb2.ReleaseEmbeddingsRequest(lease_ids=leases + ["unknown"]))
-        assert released.released_count == SLOTS
+        leases = [r.items[0].embedding.nixl.lease_id for r in together]
+        released = await stub.ReleaseEmbeddings(encoder_pb2.ReleaseEmbeddingsRequest(lease_ids=[*leases, "0123456789abcdef"]))
+        assert released.released_count == SLOTS + 1
+        assert await wait_for_metric(small_encoder.metrics_port, "epd_arena_leases", 0.0) == 0.0
         again = await stub.Encode(_encode_request(99), timeout=60)
         assert again.items[0].metadata.placeholder_count == 16
         await stub.ReleaseEmbeddings(encoder_pb2.ReleaseEmbeddingsRequest(lease_ids=[again.items[0].embedding.nixl.lease_id]))
+
+
+async def test_encoder_reads_only_tower_shards_and_ignores_garbage_elsewhere(family_stack, tmp_path: pathlib.Path):
+    """With every language-model shard replaced by garbage, the encoder still starts, reports
+    reading one shard of three, and encodes exactly what the intact encoder does."""
+    broken = tmp_path / "broken"
+    shutil.copytree(family_stack.model, broken)
+    for shard in ("model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors"):
+        (broken / shard).write_bytes(b"not a safetensors file" * 100)
+    with family_stack.stack.temporary("encoder-garbage-lm", ["encoder", "--model", str(broken), "--metrics-port", "0"]) as encoder:
+        assert "read 1 of 3 safetensors shards" in encoder.log_tail(400)
+        async with grpc.aio.insecure_channel(encoder.address) as channel, grpc.aio.insecure_channel(family_stack.encoder.address) as reference_channel:
+            from_broken = await encoder_pb2_grpc.EncoderServiceStub(channel).Encode(_encode_request(7), timeout=60)
+            reference = encoder_pb2_grpc.EncoderServiceStub(reference_channel)
+            intact = await reference.Encode(_encode_request(7), timeout=60)
+            await reference.ReleaseEmbeddings(encoder_pb2.ReleaseEmbeddingsRequest(lease_ids=[intact.items[0].embedding.nixl.lease_id]))
+    assert from_broken.items[0].metadata == intact.items[0].metadata

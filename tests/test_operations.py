@@ -88,3 +88,29 @@ async def test_sigterm_drains_in_flight_streams_and_refuses_new_ones(family_stac
             last = response
         assert last.HasField("finished") and tokens == 32
         assert gateway.process.wait(60) == 0
+
+
+async def test_readiness_follows_the_engine(family_stack):
+    """When a service's vLLM engine core dies, the service stops claiming to serve: readiness and
+    liveness go NOT_SERVING (an orchestrator then restarts it) instead of failing every call."""
+    import os
+    import signal
+
+    import psutil
+
+    args = ["decode", "--model", family_stack.model, "--mode", "combined"]
+    with family_stack.stack.temporary("combined-doomed", args) as service:
+        (engine_core,) = [p for p in psutil.Process(service.process.pid).children() if "EngineCore" in " ".join(p.cmdline()) or p.name().startswith("VLLM")]
+        os.kill(engine_core.pid, signal.SIGKILL)
+        async with grpc.aio.insecure_channel(service.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            deadline = asyncio.get_running_loop().time() + 30
+            statuses = {}
+            while asyncio.get_running_loop().time() < deadline:
+                statuses = {
+                    probe: (await health.Check(health_pb2.HealthCheckRequest(service=probe), timeout=5)).status for probe in ("", "epd.v1.DecodeService")
+                }
+                if all(s == health_pb2.HealthCheckResponse.NOT_SERVING for s in statuses.values()):
+                    break
+                await asyncio.sleep(0.5)
+        assert all(s == health_pb2.HealthCheckResponse.NOT_SERVING for s in statuses.values()), statuses

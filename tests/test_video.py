@@ -1,5 +1,5 @@
-"""Video through the metadata-only path (Qwen3-VL): greedy tokens equal the monolithic vLLM run
-given the raw video, and bad video fails only its own request with the field named."""
+"""Video through the metadata-only path (Qwen3-VL, Qwen2.5-VL): greedy tokens equal the monolithic
+vLLM run given the raw video, and bad video fails only its own request with the field named."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ import pytest
 
 from epd.client import chat_request, generate
 from epd.testing import synthetic_frames_png, synthetic_image_png, synthetic_video
-from epd.v1 import common_pb2, engine_pb2, multimodal_pb2, prefill_pb2, prefill_pb2_grpc
+from epd.v1 import multimodal_pb2
 from tests.conftest import MAX_VIDEO_FRAMES
-from tests.helpers import violations, wait_for_metric
+from tests.helpers import encode_then_prefill, violations, wait_for_metric
 
 MIN_TOKENS = 16
 QWEN3 = pytest.mark.parametrize("family", ["qwen3_vl"])
+VIDEO_FAMILIES = pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl"])
 
 
 def _clip(frames: int, fps: float, seed: int, mime_type: str = "video/mp4", size=(96, 64)) -> tuple[bytes, str]:
@@ -35,7 +36,7 @@ CASES = {
 }
 
 
-@QWEN3
+@VIDEO_FAMILIES
 @pytest.mark.parametrize("mode", ["epd", "epd-combined"])
 @pytest.mark.parametrize("case", list(CASES))
 async def test_video_greedy_tokens_match_monolithic(family_stack, family, mode, case):
@@ -49,34 +50,27 @@ async def test_video_greedy_tokens_match_monolithic(family_stack, family, mode, 
     assert result.finished.usage.multimodal_tokens == oracle.finished.usage.multimodal_tokens > 0
 
 
-async def _encode_and_prefill(family_stack, mutate) -> grpc.aio.AioRpcError | None:
-    """Encodes a clip, lets ``mutate`` edit its metadata, and sends it to prefill directly."""
-    from epd.v1 import encoder_pb2, encoder_pb2_grpc
-
-    data, mime = _clip(12, 8.0, 11)
-    async with grpc.aio.insecure_channel(family_stack.encoder.address) as enc, grpc.aio.insecure_channel(family_stack.prefill.address) as pre:
-        item = multimodal_pb2.MediaItem(video=multimodal_pb2.Video(file=multimodal_pb2.Media(data=data, mime_type=mime)))
-        (encoded,) = (await encoder_pb2_grpc.EncoderServiceStub(enc).Encode(encoder_pb2.EncodeRequest(items=[item]))).items
-        mutate(encoded.metadata)
-        request = prefill_pb2.PrefillRequest(
-            request_id="timestamps",
-            prompt=engine_pb2.EnginePrompt(token_ids=[1, 2, encoded.metadata.placeholder_token_id, 3]),
-            items=[encoded],
-            sampling=common_pb2.SamplingParams(max_tokens=4, temperature=0),
-        )
-        try:
-            await prefill_pb2_grpc.PrefillServiceStub(pre).Prefill(request, timeout=60)
-        except grpc.aio.AioRpcError as exc:
-            return exc
-    return None
+@pytest.mark.parametrize(("family", "field"), [("qwen3_vl", "video_timestamps_s"), ("qwen2_5_vl", "second_per_grid_ts")])
+async def test_prefill_refuses_video_metadata_without_its_time_fields(family_stack, family, field):
+    """Each model's own time field (vLLM's timestamps for Qwen3-VL, second_per_grid_ts for
+    Qwen2.5-VL) is required to lay a video out; without it, the field is named."""
+    parts = [_clip(12, 8.0, 11), "Hi"]
+    assert await encode_then_prefill(family_stack, parts) is None
+    error = await encode_then_prefill(family_stack, parts, lambda items: items[0].metadata.ClearField(field))
+    assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+    assert f"items[0].metadata.{field}" in violations(error)
 
 
 @QWEN3
-async def test_prefill_refuses_video_metadata_without_timestamps(family_stack, family):
-    assert await _encode_and_prefill(family_stack, lambda m: None) is None
-    error = await _encode_and_prefill(family_stack, lambda m: m.ClearField("video_timestamps_s"))
-    assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "items[0].metadata.video_timestamps_s" in violations(error)
+async def test_prefill_refuses_metadata_its_model_lays_out_differently(family_stack, family):
+    """A forged grid (same row count, other shape) or row count is caught before anything runs."""
+
+    def taller(items):
+        items[0].metadata.grid_thw.h += 2
+
+    error = await encode_then_prefill(family_stack, [_clip(12, 8.0, 13), "Hi"], taller)
+    assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+    assert "items[0].metadata" in violations(error)
 
 
 def _parts(part) -> list:
@@ -119,18 +113,11 @@ async def test_video_stack_serves_and_leaks_nothing_after_bad_input(family_stack
     assert await wait_for_metric(family_stack.encoder.metrics_port, "epd_arena_leases", 0.0) == 0.0
 
 
-async def test_video_on_qwen2_5_vl_is_unimplemented(family_stack):
-    """Qwen2.5-VL video needs second_per_grid_ts in M-RoPE, which EPD does not carry yet."""
-    with pytest.raises(grpc.aio.AioRpcError) as info:
-        await generate(family_stack.gateway_stub("epd"), chat_request(_parts(_clip(6, 6.0, 1)), max_tokens=8), timeout=60)
-    assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
-    assert "qwen2_5_vl" in info.value.details()
-
-
 @QWEN3
 async def test_encoder_batches_each_modality_across_requests_and_keeps_prompt_order(family_stack, family):
-    """Five concurrent requests (two images, two videos, one image + video) make one image batch
-    and one video batch; the mixed request's metadata stays in its prompt order."""
+    """Concurrent requests (four images, two videos, one image + video) share encoder steps
+    through vLLM's scheduler, one modality per forward, and the mixed request's metadata stays
+    in its prompt order."""
     import asyncio
 
     from epd.telemetry import scrape
@@ -143,15 +130,22 @@ async def test_encoder_batches_each_modality_across_requests_and_keeps_prompt_or
         data, mime = _clip(8, 8.0, seed)
         return multimodal_pb2.MediaItem(video=multimodal_pb2.Video(file=multimodal_pb2.Media(data=data, mime_type=mime)))
 
-    requests = [[image(40)], [image(41)], [video(42)], [video(43)], [image(44), video(45)]]
-    args = ["encoder", "--model", family_stack.model, "--metrics-port", "0", "--batch-wait-ms", "1500"]
-    with family_stack.stack.temporary("encoder-batching", args) as encoder:
-        async with grpc.aio.insecure_channel(encoder.address) as channel:
-            stub = encoder_pb2_grpc.EncoderServiceStub(channel)
-            responses = await asyncio.gather(*(stub.Encode(encoder_pb2.EncodeRequest(items=items), timeout=60) for items in requests))
-            after = scrape(encoder.metrics_port)
-            await stub.ReleaseEmbeddings(encoder_pb2.ReleaseEmbeddingsRequest(lease_ids=[i.embedding.nixl.lease_id for r in responses for i in r.items]))
-    assert (after["epd_encoder_batch_items_count"], after["epd_encoder_batch_items_sum"]) == (2, 6)
+    requests = [[image(40)], [image(41)], [image(46)], [image(47)], [video(42)], [video(43)], [image(44), video(45)]]
+    encoder = family_stack.encoder
+    before = scrape(encoder.metrics_port)
+    async with grpc.aio.insecure_channel(encoder.address) as channel:
+        stub = encoder_pb2_grpc.EncoderServiceStub(channel)
+        responses = await asyncio.gather(*(stub.Encode(encoder_pb2.EncodeRequest(items=items), timeout=60) for items in requests))
+        after = scrape(encoder.metrics_port)
+        await stub.ReleaseEmbeddings(encoder_pb2.ReleaseEmbeddingsRequest(lease_ids=[i.embedding.nixl.lease_id for r in responses for i in r.items]))
+
+    def grew(name, modality):
+        key = f"{name}{{modality={modality}}}"
+        return after[key] - before.get(key, 0.0)
+
+    assert (grew("epd_encoder_batch_items", "image"), grew("epd_encoder_batch_items", "video")) == (5, 3)
+    # Fewer steps than items: some steps encoded items of several requests together.
+    assert grew("epd_encoder_batches", "image") < 5
     mixed = responses[-1].items
     assert [i.metadata.modality for i in mixed] == [multimodal_pb2.MODALITY_IMAGE, multimodal_pb2.MODALITY_VIDEO]
     assert len(mixed[1].metadata.video_timestamps_s) == mixed[1].metadata.grid_thw.t

@@ -7,9 +7,10 @@ import pytest
 from google.rpc import error_details_pb2
 
 from epd import wire
-from epd.domain import GridThw, ItemMetadata, Modality, TokenRange
+from epd.domain import EngineField, GridThw, InlineEmbedding, ItemMetadata, Modality, NixlLocation
 from epd.errors import InvalidArgument, ResourceExhausted, to_rpc_status
-from epd.models.qwen_vl import QwenVLFamily
+from epd.mm_items import batch_fields, engine_field_from_vllm, metadata_from_published, vllm_fields
+from epd.transport.ec_params import ExpectedItem, PublishedItem, expected_from_params, expected_to_params, published_from_params, published_to_params
 from epd.v1 import common_pb2, gateway_pb2, multimodal_pb2
 
 
@@ -36,11 +37,76 @@ def test_media_without_bytes_or_mime_names_the_part():
     assert _fields(info.value) == ["messages[0].parts[1].image.data", "messages[0].parts[1].image.mime_type"]
 
 
-def test_metadata_round_trips():
+def test_metadata_round_trips_with_typed_and_engine_fields():
     meta = ItemMetadata(
-        Modality.IMAGE, "ab" * 32, 7, 6, (6, 128), "bfloat16", GridThw(1, 4, 6), TokenRange(3, 6), engine_extras={"k": "v"}
+        Modality.VIDEO,
+        "ab" * 32,
+        7,
+        6,
+        9,
+        (6, 128),
+        "bfloat16",
+        GridThw(2, 4, 6),
+        video_timestamps_s=(0.25, 1.25),
+        second_per_grid_ts=0.5,
+        engine_fields={"use_audio_in_video": EngineField("bool", (), (0,)), "scales": EngineField("float32", (2,), (0.5, 2.0))},
     )
     assert wire.metadata_from_wire(wire.metadata_to_wire(meta), "m") == meta
+
+
+def test_metadata_with_inconsistent_shape_or_field_values_names_them():
+    msg = wire.metadata_to_wire(ItemMetadata(Modality.IMAGE, "h", 7, 6, 6, (6, 16), "float32", GridThw(1, 4, 6)))
+    msg.embedding_shape[0] = 5
+    msg.engine_fields["x"].dtype = multimodal_pb2.FIELD_DTYPE_INT64
+    msg.engine_fields["x"].shape.extend([3])
+    msg.engine_fields["x"].int_values.extend([1, 2])
+    with pytest.raises(InvalidArgument) as info:
+        wire.metadata_from_wire(msg, "items[0].metadata")
+    assert _fields(info.value) == ["items[0].metadata.embedding_shape", "items[0].metadata.engine_fields['x']"]
+
+
+def test_published_fields_become_typed_only_when_exact():
+    """vLLM's well-known fields become typed fields when the typed form gives back exactly what
+    vLLM held; others (and mismatching forms) ride verbatim; both reach the consumer intact."""
+    import torch
+
+    published = {
+        "image_grid_thw": engine_field_from_vllm(torch.tensor([1, 4, 6])),
+        "second_per_grid_ts": engine_field_from_vllm(torch.tensor(0.5, dtype=torch.float64)),  # not vLLM's float32: kept verbatim
+        "custom_sizes": engine_field_from_vllm(torch.tensor([[3, 4]], dtype=torch.int32)),
+    }
+    item = PublishedItem("image", 6, 16, "float32", 8, 7, published, False, InlineEmbedding(b""))
+    meta = metadata_from_published("h", item)
+    assert meta.grid_thw == GridThw(1, 4, 6) and meta.second_per_grid_ts is None
+    assert set(meta.engine_fields) == {"second_per_grid_ts", "custom_sizes"}
+    rebuilt = vllm_fields(meta, {"image_grid_thw", "second_per_grid_ts", "custom_sizes"}, "items[0].metadata")
+    for name, value in rebuilt.items():
+        original = published[name]
+        assert engine_field_from_vllm(value) == original, name
+    with pytest.raises(InvalidArgument) as info:
+        vllm_fields(meta, {"timestamps", "pixel_sizes"}, "items[0].metadata")
+    assert _fields(info.value) == ["items[0].metadata.engine_fields['pixel_sizes']", "items[0].metadata.video_timestamps_s"]
+
+
+def test_items_are_batched_per_field_as_vllm_takes_them():
+    import torch
+
+    same = batch_fields([{"grid": torch.tensor([1, 2, 2])}, {"grid": torch.tensor([1, 4, 2])}])
+    assert same["grid"].shape == (2, 3)
+    ragged = batch_fields([{"timestamps": [0.5, 1.5]}, {"timestamps": [0.5]}])
+    assert ragged["timestamps"] == [[0.5, 1.5], [0.5]]
+
+
+def test_ec_params_round_trip_and_reject_foreign_entries():
+    location = NixlLocation("agent", "127.0.0.1:5", b"\x01" + b"\x00" * 20, 120, "ab" * 8, 1_000)
+    fields = {"image_grid_thw": EngineField("int64", (3,), (1, 2, 2))}
+    published = {"h": PublishedItem("image", 1, 16, "bfloat16", 1, 9, fields, False, location)}
+    assert published_from_params(published_to_params(published)) == published
+    expected = {"h": ExpectedItem(1, 16, "bfloat16", InlineEmbedding(b"\x00" * 32))}
+    assert expected_from_params(expected_to_params(expected)) == expected
+    for foreign in ({"h": {"epd": {"version": 2}}}, {"h": "x"}, ["h"]):
+        with pytest.raises(ValueError):
+            expected_from_params(foreign)
 
 
 def test_rich_status_details():
@@ -52,16 +118,3 @@ def test_rich_status_details():
     retry = error_details_pb2.RetryInfo()
     assert to_rpc_status(ResourceExhausted("full", retry_after_s=0.5)).details[0].Unpack(retry)
     assert retry.retry_delay.ToMilliseconds() == 500
-
-
-def test_layout_validation_names_inconsistent_fields():
-    family = QwenVLFamily(
-        "qwen2_5_vl", "unused", image_token_id=9, video_token_id=10, vision_start_token_id=7, vision_end_token_id=8,
-        spatial_merge_size=2, embedding_width=16, supported_modalities=frozenset({Modality.IMAGE}),
-    )
-    good = ItemMetadata(Modality.IMAGE, "h", 9, 6, (6, 16), "float32", GridThw(1, 4, 6))
-    assert family.expand_prompt([1, 9, 2], [good]).token_ids == [1] + [9] * 6 + [2]
-    bad = ItemMetadata(Modality.IMAGE, "h", 9, 5, (5, 16), "float32", GridThw(1, 4, 6))
-    with pytest.raises(InvalidArgument) as info:
-        family.expand_prompt([1, 9, 9, 2], [bad])
-    assert _fields(info.value) == ["prompt.token_ids", "items[0].metadata.placeholder_count", "items[0].metadata.embedding_shape"]

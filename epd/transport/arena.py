@@ -59,8 +59,18 @@ class SharedCounters:
 
 
 # shards_read / shards_total: the weight shards the encoder-only engine loaded, as vLLM reported
-# them (0 / 0 when it could not be observed).
-ARENA_COUNTERS = ("leases", "free_slots", "num_slots", "slot_bytes", "shards_read", "shards_total")
+# them (0 / 0 when it could not be observed). <modality>_batches / _batch_items: engine steps that
+# encoded items of the modality, and the items they encoded (cumulative).
+MODALITIES = ("image", "video", "audio")
+ARENA_COUNTERS = (
+    "leases",
+    "free_slots",
+    "num_slots",
+    "slot_bytes",
+    "shards_read",
+    "shards_total",
+    *(f"{m}_{kind}" for m in MODALITIES for kind in ("batches", "batch_items")),
+)
 
 
 class EmbeddingArena:

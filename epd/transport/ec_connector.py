@@ -22,6 +22,7 @@ import torch
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorMetadata, ECConnectorRole
 
 from epd.compat.vllm_metadata import install as _install_vllm_metadata_fixes
+from epd.transport.ec_config import ConnectorConfig
 from epd.transport.ec_consumer import ConsumerScheduler, Install
 from epd.transport.ec_producer import ProducerScheduler, Save
 from epd.transport.shared_buffer import SharedBuffer
@@ -53,37 +54,6 @@ class _ShardSkipRecorder(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if str(record.msg).startswith("mm-encoder-only: skipped") and len(record.args or ()) >= 2:
             _ShardSkipRecorder.skipped_of = (int(record.args[0]), int(record.args[1]))
-
-
-@dataclasses.dataclass(frozen=True)
-class ConnectorConfig:
-    """Everything the connector needs, carried in ``ec_connector_extra_config``."""
-
-    engine_id: str
-    transport: str = "nixl"  # "nixl", or "inline" (bytes in the request: benchmarks, hosts without NIXL)
-    buffer_bytes: int = 64 * 1024 * 1024  # producer arena / consumer receive buffer
-    slot_bytes: int = 64 * 1024  # producer arena slot
-    lease_ttl_s: float = 60.0  # how long a published item waits for its consumer
-    listen_host: str = "127.0.0.1"  # producer: the host consumers dial for NIXL metadata
-    listen_port: int = 0  # producer: NIXL metadata listener port; 0 picks one
-    read_timeout_s: float = 10.0  # consumer: limit on one producer's metadata or READ
-
-    @property
-    def agent_name(self) -> str:
-        return f"epd-{self.engine_id}"
-
-    def buffer_name(self, kind: str) -> str:
-        return f"{self.engine_id}-{kind}"
-
-    def extra_config(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_vllm(cls, vllm_config: VllmConfig) -> ConnectorConfig:
-        transfer = vllm_config.ec_transfer_config
-        fields = {f.name for f in dataclasses.fields(cls)}
-        extra = {k: v for k, v in transfer.ec_connector_extra_config.items() if k in fields}
-        return cls(**{**extra, "engine_id": extra.get("engine_id") or transfer.engine_id})
 
 
 @dataclasses.dataclass

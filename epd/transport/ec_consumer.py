@@ -31,12 +31,12 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-    from epd.transport.ec_connector import ConnectorConfig
+    from epd.transport.ec_config import ConnectorConfig
 
 logger = logging.getLogger(__name__)
 
 PAGE_BYTES = 4096
-RECEIVE_COUNTERS = ("items", "free_pages", "num_pages", "failed_loads")
+RECEIVE_COUNTERS = ("items", "free_pages", "num_pages", "failed_loads", "nixl_bytes", "inline_bytes")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,6 +253,7 @@ class ConsumerScheduler:
         start = item.offset + HEADER_BYTES
         self._buffer.tensor[start : start + payload].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
         item.state = "ready"
+        self._add("inline_bytes", payload)
 
     def _check_loaded(self, item: _Item, error: str | None) -> None:
         """A READ ended: the header must show the promised item, fully written."""
@@ -268,13 +269,17 @@ class ConsumerScheduler:
                     error = f"the producer's slot no longer holds lease {expected.location.lease_id} as promised (found {header})"
         if error is None:
             item.state = "ready"
+            self._add("nixl_bytes", item.expected.location.nbytes)
         else:
             self._fail(item, error)
 
     def _fail(self, item: _Item, error: str) -> None:
         logger.warning("EPD EC consumer: loading an item failed: %s", error)
         item.state, item.error = "failed", error
-        self.counters.set("failed_loads", self.counters.get("failed_loads") + 1)
+        self._add("failed_loads", 1)
+
+    def _add(self, counter: str, amount: int) -> None:
+        self.counters.set(counter, self.counters.get(counter) + amount)
 
     def _mark_unavailable(self, request_id: str, reason: str) -> None:
         logger.warning("EPD EC consumer: request %s cannot get its encoder outputs: %s", request_id, reason)

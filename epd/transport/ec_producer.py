@@ -21,7 +21,7 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from epd.mm_items import engine_field_from_vllm
-from epd.transport.arena import EmbeddingArena, Lease
+from epd.transport.arena import MODALITIES, EmbeddingArena, Lease
 from epd.transport.ec_params import PublishedItem, published_to_params
 from epd.transport.shared_buffer import SharedBuffer
 from epd.transport.slot_header import HEADER_BYTES, SlotHeader, SlotStatus, dtype_name, slot_bytes
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-    from epd.transport.ec_connector import ConnectorConfig
+    from epd.transport.ec_config import ConnectorConfig
 
 logger = logging.getLogger(__name__)
 
@@ -75,6 +75,7 @@ class ProducerScheduler:
 
             self._publisher = NixlPublisher(self._buffer.tensor, agent_name=config.agent_name, listen_host=config.listen_host, listen_port=config.listen_port)
         self._requests: dict[str, dict[str, _Reservation]] = {}
+        self._modalities: dict[str, list[str]] = {}  # request id -> modality of each item
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="epd-ec-reaper", daemon=True)
         self._reaper.start()
@@ -116,10 +117,12 @@ class ProducerScheduler:
             SlotHeader(SlotStatus.PENDING, self._dtype, lease.generation, rows, width).pack_into(self._buffer.tensor, lease.offset)
             reservations[feature.identifier] = _Reservation(feature.modality, lease, rows, width)
         self._requests[request.request_id] = reservations
+        self._modalities[request.request_id] = [f.modality for f in request.mm_features]
         return True
 
     def saves_for(self, scheduler_output: SchedulerOutput) -> list[Save]:
         """The slots of every request scheduled in this step (the worker skips filled ones)."""
+        self._count_batches(scheduler_output)
         return [
             Save(request_id, mm_hash, r.lease.offset, r.lease.generation, r.rows, r.width, self._dtype)
             for request_id in scheduler_output.num_scheduled_tokens
@@ -130,6 +133,7 @@ class ProducerScheduler:
         """Publishes the request's items; an aborted or failed request just frees its slots."""
         from vllm.v1.request import RequestStatus
 
+        self._modalities.pop(request.request_id, None)
         reservations = self._requests.pop(request.request_id, {})
         if request.status != RequestStatus.FINISHED_STOPPED:
             for reservation in reservations.values():
@@ -151,6 +155,20 @@ class ProducerScheduler:
         self._buffer.close()
 
     # ---- internals ----------------------------------------------------------------------
+
+    def _count_batches(self, scheduler_output: SchedulerOutput) -> None:
+        """Items the tower encodes in this step, per modality: vLLM's batch across requests."""
+        items: dict[str, int] = {}
+        for request_id, indices in scheduler_output.scheduled_encoder_inputs.items():
+            modalities = self._modalities.get(request_id, [])
+            for index in indices:
+                if index < len(modalities):
+                    items[modalities[index]] = items.get(modalities[index], 0) + 1
+        counters = self._arena.counters
+        for modality, count in items.items():
+            if modality in MODALITIES:
+                counters.set(f"{modality}_batches", counters.get(f"{modality}_batches") + 1)
+                counters.set(f"{modality}_batch_items", counters.get(f"{modality}_batch_items") + count)
 
     def _publish(self, request: Request, index: int, reservation: _Reservation) -> PublishedItem:
         feature = request.mm_features[index]

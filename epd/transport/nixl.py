@@ -28,6 +28,7 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from epd.domain import NixlLocation
+from epd.ports import free_port
 from epd.transport._agent import NixlAgent, Row
 from epd.transport.arena import Lease
 from epd.transport.errors import TransferError
@@ -335,19 +336,12 @@ def _start_listening_agent(name: str, listen_port: int) -> tuple[NixlAgent, int]
     if listen_port:
         return start(listen_port)
     for _ in range(_PORT_ATTEMPTS - 1):
-        port = _free_tcp_port()
+        port = free_port()  # NIXL binds all interfaces, so probe them all
         try:
             return start(port)
         except RuntimeError:
             logger.warning("NIXL listener could not bind port %d; retrying on another", port)
-    return start(_free_tcp_port())
-
-
-def _free_tcp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("", 0))  # NIXL binds all interfaces, so probe them all too
-        port: int = probe.getsockname()[1]
-        return port
+    return start(free_port())
 
 
 def _resolve_ipv4(address: str) -> tuple[str, int]:

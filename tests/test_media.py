@@ -1,0 +1,108 @@
+"""Media decoding, shared by the encoder and the monolithic oracle (no engines): audio files and
+PCM, resampling, every decode error, and the decoded-size limits with the field they name."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from epd.domain import MediaFile, MediaInput, Modality
+from epd.media import MediaLimits
+from epd.media.audio import decode_audio_file, decode_pcm
+from epd.media.decode import MediaDecoder
+from epd.testing import noise_flac, noise_samples, pcm_bytes, sine_samples, sine_wav, soundfile_bytes, synthetic_image_png, synthetic_video, wav_int16
+from tests.conftest import checkpoint
+
+RATE = 16000
+
+
+def test_wav_and_flac_decode_to_the_samples_written() -> None:
+    mono = sine_samples(0.5, RATE, seed=1)
+    quantised = np.round(mono * 32768).clip(-32768, 32767) / 32768
+    decoded = decode_audio_file(sine_wav(0.5, RATE, seed=1), "audio/wav", RATE)
+    assert decoded.sample_rate == RATE and decoded.samples.dtype == np.float32 and decoded.duration_s == 0.5
+    np.testing.assert_array_equal(decoded.samples, quantised.astype(np.float32))
+
+    stereo = sine_samples(0.25, RATE, channels=2, seed=2)
+    as_float = decode_audio_file(soundfile_bytes(stereo, RATE, subtype="FLOAT"), "audio/x-wav", RATE)
+    np.testing.assert_array_equal(as_float.samples, stereo.mean(axis=1, dtype=np.float32))
+    as_24_bit = decode_audio_file(soundfile_bytes(stereo, RATE, subtype="PCM_24"), "audio/wave", RATE)
+    np.testing.assert_allclose(as_24_bit.samples, stereo.mean(axis=1), atol=2**-23)
+
+    flac = decode_audio_file(noise_flac(0.3, RATE, seed=3), "audio/flac", RATE)
+    np.testing.assert_allclose(flac.samples, noise_samples(0.3, RATE, seed=3), atol=2**-15)
+
+
+def test_pcm_decodes_like_the_same_wav() -> None:
+    stereo = sine_samples(0.2, RATE, channels=2, seed=4)
+    from_wav = decode_audio_file(wav_int16(stereo, RATE), "audio/wav", RATE)
+    from_pcm = decode_pcm(pcm_bytes(stereo, "s16le"), RATE, 2, "s16le", RATE)
+    np.testing.assert_array_equal(from_pcm.samples, from_wav.samples)
+    as_f32 = decode_pcm(pcm_bytes(stereo, "f32le"), RATE, 2, "f32le", RATE)
+    np.testing.assert_array_equal(as_f32.samples, stereo.mean(axis=1, dtype=np.float32))
+
+
+@pytest.mark.parametrize("source_rate", [8000, 22050, 44100, 48000])
+def test_resampling_to_the_model_rate(source_rate: int) -> None:
+    seconds = 1.5
+    decoded = decode_audio_file(sine_wav(seconds, source_rate, 440.0, seed=5), "audio/wav", RATE)
+    assert decoded.sample_rate == RATE and len(decoded.samples) == round(seconds * RATE)
+    assert decoded.samples.dtype == np.float32
+    # Still a 440 Hz tone: the spectrum peaks at its bin.
+    spectrum = np.abs(np.fft.rfft(decoded.samples))
+    assert abs(np.argmax(spectrum) * RATE / len(decoded.samples) - 440.0) < 2.0
+
+
+@pytest.mark.parametrize(
+    ("data", "mime_type", "message"),
+    [
+        (wav_int16(np.zeros(0, np.float32), RATE), "audio/wav", "has no samples"),
+        (sine_wav(0.5, RATE)[:3000], "audio/wav", "is truncated: its data chunk declares 16000 bytes but 2956 follow"),
+        (sine_wav(0.5, RATE)[:30], "audio/wav", "cannot be decoded as WAV"),
+        (noise_flac(0.5, RATE)[:2000], "audio/flac", "cannot be decoded as FLAC|is truncated"),
+        (b"", "audio/wav", "is empty"),
+        (b"RIFF garbage, not audio at all" * 4, "audio/wav", "cannot be decoded as WAV: Format not recognised"),
+        (sine_wav(0.5, 4000), "audio/wav", "sample rate 4000 Hz is outside the supported 8000–48000 Hz"),
+        (sine_wav(0.5, 96000), "audio/wav", "sample rate 96000 Hz is outside"),
+        (noise_flac(0.5, RATE), "audio/wav", "is a FLAC file, not the WAV"),
+        (soundfile_bytes(np.zeros(100, np.float32), RATE, container="OGG", subtype="VORBIS"), "audio/ogg", "unsupported audio MIME type"),
+        (soundfile_bytes(np.full(100, np.nan, np.float32), RATE), "audio/wav", "NaN or infinite"),
+    ],
+)
+def test_bad_audio_files_are_value_errors(data: bytes, mime_type: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        decode_audio_file(data, mime_type, RATE)
+
+
+@pytest.mark.parametrize(
+    ("data", "rate", "channels", "encoding", "message"),
+    [
+        (b"", RATE, 1, "s16le", "has no samples"),
+        (b"\0" * 7, RATE, 2, "s16le", "holds 7 bytes, not a whole number of 4-byte frames"),
+        (b"\0" * 8, 4000, 1, "s16le", "sample rate 4000 Hz is outside"),
+        (b"\0" * 8, RATE, 0, "s16le", "has 0 channels"),
+        (b"\0" * 8, RATE, 1, "mulaw", "unsupported PCM encoding"),
+    ],
+)
+def test_bad_pcm_is_a_value_error(data: bytes, rate: int, channels: int, encoding: str, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        decode_pcm(data, rate, channels, encoding, RATE)
+
+
+def test_pixel_and_frame_limits_name_the_field():
+    """Decoded-size limits are checked by the decoder that the encoder and the oracle share."""
+    from epd.domain import VideoFrames
+    from epd.media import MediaError
+    from epd.testing import synthetic_frames_png
+
+    decoder = MediaDecoder.for_model(checkpoint("qwen3_vl"), MediaLimits(max_image_pixels=100 * 80, max_video_frames=5))
+    assert decoder.decode(MediaInput.of(Modality.IMAGE, MediaFile(synthetic_image_png(100, 80, seed=1), "image/png"))).size == (100, 80)
+    cases = {
+        "image.data": MediaInput.of(Modality.IMAGE, MediaFile(synthetic_image_png(101, 80, seed=1), "image/png")),
+        "video.file.data": MediaInput.of(Modality.VIDEO, MediaFile(synthetic_video(32, 32, 6, fps=6.0, seed=1), "video/mp4")),
+        "video.frames.frames": MediaInput.of(Modality.VIDEO, VideoFrames(tuple(MediaFile(f, "image/png") for f in synthetic_frames_png(32, 32, 6, seed=1)), 6.0)),
+    }
+    for field, item in cases.items():
+        with pytest.raises(MediaError) as info:
+            decoder.decode(item)
+        assert info.value.field == field, str(info.value)

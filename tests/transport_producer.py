@@ -1,0 +1,86 @@
+"""The producer side of tests/test_transport.py, in a module of its own: the child process
+imports only this (no vLLM), so it starts in seconds."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from epd.domain import NixlLocation
+from epd.transport.arena import EmbeddingArena, SharedCounters
+from epd.transport.nixl import NixlPublisher
+from epd.transport.shared_buffer import SharedBuffer
+from epd.transport.slot_header import HEADER_BYTES, SlotHeader, SlotStatus, slot_bytes
+
+ARENA_BYTES = SharedCounters.BYTES + 64 * 64 * 1024
+SLOT_BYTES = 64 * 1024
+
+
+def make_rows(seed: int, rows: int, width: int, dtype: str = "float32") -> torch.Tensor:
+    """Deterministic contents, so both processes know what the bytes must be."""
+    return torch.randn((rows, width), generator=torch.Generator().manual_seed(seed)).to(getattr(torch, dtype))
+
+
+class _Producer:
+    def __init__(self, agent_name: str, ttl_s: float) -> None:
+        self.buffer = SharedBuffer.create(f"test-producer-{uuid.uuid4().hex[:8]}", ARENA_BYTES)
+        self.arena = EmbeddingArena(self.buffer.tensor, slot_bytes=SLOT_BYTES, lease_ttl_s=ttl_s)
+        self.publisher = NixlPublisher(self.buffer.tensor, agent_name=agent_name, listen_host="127.0.0.1")
+
+    def publish(self, seed: int, rows: int, width: int, dtype: str) -> NixlLocation:
+        lease = self.arena.reserve(slot_bytes(rows, width, dtype))
+        data = make_rows(seed, rows, width, dtype).reshape(-1).view(torch.uint8)
+        self.buffer.tensor[lease.offset + HEADER_BYTES : lease.offset + HEADER_BYTES + data.numel()].copy_(data)
+        SlotHeader(SlotStatus.READY, dtype, lease.generation, rows, width).pack_into(self.buffer.tensor, lease.offset)
+        return self.publisher.location(lease, self.arena.start_expiry(lease.lease_id))
+
+    def reap_until_idle(self, timeout_s: float = 5.0) -> int:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            for lease_id in self.publisher.ended_leases():
+                self.arena.release(lease_id)
+            self.arena.expire()
+            if self.arena.leased_count == 0:
+                break
+            time.sleep(0.005)
+        return self.arena.leased_count
+
+    def overwrite(self, location: NixlLocation, seed: int, rows: int, width: int, dtype: str) -> NixlLocation:
+        """Ends a lease and publishes another item, which reuses the same first slot."""
+        self.arena.release(location.lease_id)
+        return self.publish(seed, rows, width, dtype)
+
+
+_COMMANDS: dict[str, Callable[..., Any]] = {
+    "publish": _Producer.publish,
+    "reap_until_idle": _Producer.reap_until_idle,
+    "overwrite": _Producer.overwrite,
+    "leases": lambda producer: producer.arena.leased_count,
+}
+
+
+def producer_main(conn: Connection, agent_name: str, ttl_s: float) -> None:
+    producer = _Producer(agent_name, ttl_s)
+    conn.send(producer.publisher.address)
+    try:
+        while True:
+            try:
+                command, args = conn.recv()
+            except EOFError:  # the test process went away
+                return
+            if command == "close":
+                return
+            try:
+                conn.send(("ok", _COMMANDS[command](producer, *args)))
+            except Exception as exc:
+                conn.send(("error", repr(exc)))
+    finally:
+        producer.publisher.close()
+        producer.buffer.close()
+
+
