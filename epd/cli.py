@@ -16,9 +16,10 @@ import pathlib
 import sys
 from collections.abc import Sequence
 
+from epd.checkpoints import ALL_FAMILIES as TINY_FAMILIES  # cheap: its heavy imports are lazy
+
 DEFAULT_CHECKPOINT_ROOT = pathlib.Path("checkpoints")
 DEFAULT_FAMILY = "qwen2_5_vl"
-TINY_FAMILIES = ("qwen2_5_vl", "qwen3_vl", "qwen2_audio")  # what epd.checkpoints builds
 
 # Field groups per service. Flags are --field-name.
 _ENGINE_FIELDS = ("dtype", "max_model_len", "max_num_seqs", "kv_cache_gib", "max_images_per_prompt", "max_videos_per_prompt", "max_audios_per_prompt", "caches", "seed")

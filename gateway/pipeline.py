@@ -156,7 +156,10 @@ class DisaggregatedPipeline:
             if request.media:
                 items = await self.encoders.encode(request.request_id, request.media, wire.media_paths(request), leases, deadline)
                 clock.timings.encode = clock.since_start()
-            items = [self._with_media_if_needed(item, media) for item, media in zip(items, request.media, strict=True)]
+            if self.forward_media or any(item.metadata.layout_needs_media for item in items):
+                # vLLM 0.32 cannot mix metadata-only and raw items in one prompt (its processor
+                # then misses the metadata-only ones), so one item that needs its media sends all.
+                items = [dataclasses.replace(item, forwarded_media=media) for item, media in zip(items, request.media, strict=True)]
             engine_request = EngineRequest(request.request_id, tuple(prompt_ids), tuple(items), request.sampling)
             if self.prefills is not None:
                 started = time.perf_counter()
@@ -177,11 +180,6 @@ class DisaggregatedPipeline:
             if not completed:
                 # Leases nobody read must not wait for their TTL; freeing is idempotent.
                 await asyncio.shield(self.encoders.release(leases))
-
-    def _with_media_if_needed(self, item: EncodedItem, media) -> EncodedItem:
-        if self.forward_media or item.metadata.layout_needs_media:
-            return dataclasses.replace(item, forwarded_media=media)
-        return item
 
 
 class MonolithicPipeline:

@@ -680,7 +680,7 @@ def test_multimodal_vllm_matches_transformers_greedy(multimodal_checkpoints: dic
     directory = multimodal_checkpoints[family]
     result_file = tmp_path / "vllm.json"
     # In-process engine: starts much faster than a spawned one on a loaded 2-core box.
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS="1")
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind")
     run = subprocess.run([sys.executable, __file__, str(directory), str(result_file)], env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     vllm_result = json.loads(result_file.read_text())
