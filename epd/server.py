@@ -11,12 +11,14 @@ finish, then release the engine. Kubernetes probes use the standard grpc.health.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import inspect
 import json
 import logging
 import signal
 import sys
+import threading
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -137,9 +139,12 @@ async def run_service(host: GrpcHost, engine=None, *, on_ready=None, on_stop=Non
     healthy. Shutdown drains the server, then calls ``on_stop()``, then stops the engine.
     """
     await host.start()
+    started = engine is None
     try:
         if engine is not None:
-            await asyncio.to_thread(engine.start)
+            started = await _start_engine(host, engine)
+            if not started:
+                return
             _bind_engine_gauges(engine)
         if on_ready is not None:
             on_ready(engine)
@@ -149,8 +154,51 @@ async def run_service(host: GrpcHost, engine=None, *, on_ready=None, on_stop=Non
         await host.stop()
         if on_stop is not None and inspect.isawaitable(stopped := on_stop()):
             await stopped
-        if engine is not None:
+        if started and engine is not None:
             engine.shutdown()
+        elif not started:
+            _kill_children()
+
+
+async def _start_engine(host: GrpcHost, engine) -> bool:
+    """Loads the engine in a daemon thread; False if SIGTERM came first.
+
+    A stop request must work while an engine loads (or hangs loading): the service then exits
+    without waiting for the load, and takes the engine's half-started processes with it.
+    """
+    loop = asyncio.get_running_loop()
+    loaded: asyncio.Future = loop.create_future()
+
+    def settle(error: BaseException | None) -> None:
+        if not loaded.done():
+            loaded.set_exception(error) if error is not None else loaded.set_result(None)
+
+    def load() -> None:
+        try:
+            engine.start()
+        except BaseException as exc:  # noqa: BLE001 - handed to the event loop
+            loop.call_soon_threadsafe(settle, exc)
+        else:
+            loop.call_soon_threadsafe(settle, None)
+
+    threading.Thread(target=load, name="engine-load", daemon=True).start()
+    stop = asyncio.create_task(host.wait_for_termination())
+    await asyncio.wait([loaded, stop], return_when=asyncio.FIRST_COMPLETED)
+    if loaded.done():
+        stop.cancel()
+        loaded.result()  # re-raises a failed load
+        return True
+    logger.warning("%s: stopping while the engine is still loading", host.service_name)
+    return False
+
+
+def _kill_children() -> None:
+    """Kills this process's children: the processes of an engine that never finished loading."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        with contextlib.suppress(psutil.NoSuchProcess):
+            child.kill()
 
 
 async def _serve_until_stopped(host: GrpcHost, engine) -> None:

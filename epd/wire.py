@@ -375,7 +375,7 @@ def _handle_to_wire(location: EmbeddingLocation) -> multimodal_pb2.EmbeddingHand
     )
 
 
-def _handle_from_wire(msg: multimodal_pb2.EmbeddingHandle) -> EmbeddingLocation | None:
+def embedding_location_from_wire(msg: multimodal_pb2.EmbeddingHandle) -> EmbeddingLocation | None:
     kind = msg.WhichOneof("transport")
     if kind == "inline":
         return InlineEmbedding(msg.inline.data)
@@ -408,7 +408,7 @@ def encoded_item_from_wire(msg: multimodal_pb2.EncodedItem, field: str) -> Encod
         forwarded = media_item_from_wire(msg.forwarded_media, f"{field}.forwarded_media", violations)
         if violations:
             raise InvalidArgument("invalid forwarded media", violations)
-    return EncodedItem(metadata_from_wire(msg.metadata, f"{field}.metadata"), _handle_from_wire(msg.embedding), forwarded)
+    return EncodedItem(metadata_from_wire(msg.metadata, f"{field}.metadata"), embedding_location_from_wire(msg.embedding), forwarded)
 
 
 def encoded_items_from_wire(items) -> list[EncodedItem]:

@@ -1,0 +1,120 @@
+"""bfloat16, the dtype of every GPU deployment: disaggregated greedy tokens equal monolithic bf16
+ones, for an image, a video, an audio clip and an Omni prompt mixing audio and an image.
+
+They can only, because the encoder runs vLLM's own tower. The last test keeps the reason in
+view: Hugging Face's tower, given the same image and weights in bf16, rounds differently, and
+its embedding steers decoding elsewhere.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+import grpc
+import pytest
+import torch
+
+from epd import wire
+from epd.client import chat_request, generate
+from epd.domain import NixlLocation
+from epd.testing import sine_wav, synthetic_image_png, synthetic_video
+from epd.transport.arena import SharedCounters
+from epd.transport.nixl import NixlReader, Read
+from epd.transport.shared_buffer import SharedBuffer
+from epd.transport.slot_header import HEADER_BYTES
+from epd.v1 import common_pb2, decode_pb2, decode_pb2_grpc, encoder_pb2, encoder_pb2_grpc, engine_pb2, multimodal_pb2
+from tests.conftest import BF16, stack_key
+
+MIN_TOKENS = 16
+VL = stack_key("qwen2_5_vl", BF16)
+OMNI = stack_key("qwen2_5_omni", BF16)
+PNG = synthetic_image_png(140, 112, seed=91)
+
+CASES = {
+    VL: {
+        "image": lambda: [(PNG, "image/png"), "Describe the picture."],
+        "video": lambda: [(synthetic_video(96, 64, 12, fps=8.0, seed=92), "video/mp4"), "What happens?"],
+    },
+    OMNI: {
+        "audio": lambda: [(sine_wav(1.4, freq=410.0, seed=93), "audio/wav"), "What do you hear?"],
+        "audio_and_image": lambda: [(sine_wav(0.9, seed=94), "audio/wav"), (synthetic_image_png(120, 96, seed=95), "image/png"), "Both?"],
+    },
+}
+
+
+@pytest.mark.parametrize(("family", "case"), [(family, case) for family, cases in CASES.items() for case in cases])
+@pytest.mark.parametrize("mode", ["epd", "epd-combined"])
+async def test_bf16_greedy_tokens_match_monolithic(family_stack, family, case, mode):
+    request = chat_request(CASES[family][case](), max_tokens=24, min_tokens=MIN_TOKENS)
+    oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=180)
+    result = await generate(family_stack.gateway_stub(mode), request, timeout=180)
+    assert len(oracle.token_ids) >= MIN_TOKENS
+    assert result.token_ids == oracle.token_ids
+
+
+def _hf_tower_embedding(model: str) -> torch.Tensor:
+    """Hugging Face's Qwen2.5-VL vision tower in bf16 on PNG, as an encoder built on it would."""
+    import io
+
+    from PIL import Image
+    from transformers import AutoProcessor, Qwen2_5_VLForConditionalGeneration
+
+    processor = AutoProcessor.from_pretrained(model)
+    inputs = processor.image_processor(images=[Image.open(io.BytesIO(PNG)).convert("RGB")], return_tensors="pt")
+    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(model, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        features = hf.model.get_image_features(inputs["pixel_values"].to(torch.bfloat16), inputs["image_grid_thw"])
+    (embedding,) = features.pooler_output
+    return embedding
+
+
+def _read_over_nixl(location: NixlLocation, rows: int, width: int) -> torch.Tensor:
+    """The encoder's published rows, READ from its arena as a consumer engine would."""
+    buffer = SharedBuffer.create(f"test-bf16-{uuid.uuid4().hex[:8]}", SharedCounters.BYTES + location.nbytes + 4096)
+    reader = NixlReader(buffer.tensor, agent_name=f"test-bf16-{uuid.uuid4().hex[:6]}")
+    try:
+        reader.submit([Read("item", location, SharedCounters.BYTES)])
+        deadline = time.monotonic() + 20
+        finished = []
+        while not finished and time.monotonic() < deadline:
+            finished = reader.poll()
+        assert finished == [("item", None)], finished
+        start = SharedCounters.BYTES + HEADER_BYTES
+        return buffer.tensor[start : start + rows * width * 2].view(torch.bfloat16).view(rows, width).clone()
+    finally:
+        reader.close()
+        buffer.close()
+
+
+@pytest.mark.parametrize("family", [VL])
+async def test_hf_tower_bf16_embedding_is_not_vllms_and_changes_the_tokens(family_stack, family):
+    request = chat_request([(PNG, "image/png"), "Describe the picture."], max_tokens=24, min_tokens=MIN_TOKENS)
+    oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=180)
+    chat = wire.generate_request_from_wire(request)
+    async with grpc.aio.insecure_channel(family_stack.encoder.address) as channel:
+        encoded = await encoder_pb2_grpc.EncoderServiceStub(channel).Encode(encoder_pb2.EncodeRequest(items=[wire.media_item_to_wire(chat.media[0])]), timeout=60)
+    (item,) = encoded.items
+    rows, width = item.metadata.embedding_shape
+    vllm_rows = _read_over_nixl(wire.embedding_location_from_wire(item.embedding), rows, width)
+    hf_rows = _hf_tower_embedding(family_stack.model)
+
+    # The same computation, rounded differently: close, but not the same bits.
+    assert hf_rows.shape == vllm_rows.shape and hf_rows.dtype == vllm_rows.dtype == torch.bfloat16
+    assert not torch.equal(hf_rows, vllm_rows)
+    assert torch.allclose(hf_rows.float(), vllm_rows.float(), rtol=0.05, atol=0.05)
+
+    # Fed to the combined engine in place of vLLM's rows, the HF embedding changes the reply.
+    from epd.prompt import PromptRenderer
+
+    item.embedding.CopyFrom(multimodal_pb2.EmbeddingHandle(inline=multimodal_pb2.InlineEmbedding(data=hf_rows.view(torch.uint8).numpy().tobytes())))
+    decode = decode_pb2.DecodeRequest(
+        request_id="hf-tower-bf16",
+        prompt=engine_pb2.EnginePrompt(token_ids=PromptRenderer(family_stack.model).render(chat.messages)),
+        items=[item],
+        sampling=common_pb2.SamplingParams(max_tokens=24, min_tokens=MIN_TOKENS, temperature=0),
+    )
+    async with grpc.aio.insecure_channel(family_stack.combined.address) as channel:
+        tokens = [t async for response in decode_pb2_grpc.DecodeServiceStub(channel).Decode(decode, timeout=120) for t in response.token_ids]
+    assert len(tokens) == len(oracle.token_ids)
+    assert tokens != oracle.token_ids

@@ -1,0 +1,110 @@
+"""Models beyond the Qwen-VL pair, with no code of ours per model: the Qwen2.5-Omni and Qwen3-Omni
+thinkers and NVIDIA's Audio Flamingo 3. Greedy tokens equal the monolithic vLLM run of the same
+request in E/P/D and E+PD.
+
+Where vLLM declares a metadata-only layout (every modality of Qwen2.5-Omni, Qwen3-Omni audio,
+Audio Flamingo 3 audio) no media reaches prefill or decode. Where it declares none (Qwen3-Omni
+image and video), the encoder says so in the metadata and the gateway forwards the media, which
+the stages lay out themselves while the embedding still comes from the encoder: the declared
+fallback, tested here too.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+
+from epd.client import chat_request, generate
+from epd.testing import sine_wav, synthetic_image_png, synthetic_video
+from epd.v1 import decode_pb2, encoder_pb2, encoder_pb2_grpc, multimodal_pb2
+from tests.helpers import gateway_stub, wait_for_metric
+from tests.tap import RecordingProxy
+
+MIN_TOKENS = 16
+
+
+def _image(seed: int) -> tuple[bytes, str]:
+    return synthetic_image_png(140, 100, seed=seed), "image/png"
+
+
+def _clip(seed: int) -> tuple[bytes, str]:
+    return synthetic_video(96, 64, 12, fps=8.0, seed=seed), "video/mp4"
+
+
+def _tone(seconds: float, seed: int) -> tuple[bytes, str]:
+    return sine_wav(seconds, freq=300.0 + 40 * seed, seed=seed), "audio/wav"
+
+
+CASES = {
+    "qwen2_5_omni": {
+        "audio": lambda: [_tone(1.5, 1), "What do you hear?"],
+        "image": lambda: [_image(2), "What do you see?"],
+        "video": lambda: [_clip(3), "What happens?"],
+        "audio_and_image": lambda: ["Listen", _tone(1.2, 4), "and look", _image(5), "Together?"],
+    },
+    "qwen3_omni_moe": {
+        "audio": lambda: [_tone(1.5, 6), "What do you hear?"],
+        "image_with_media_forwarded": lambda: [_image(7), "What do you see?"],
+        "audio_and_video_with_media_forwarded": lambda: [_tone(0.9, 8), _clip(9), "Describe both."],
+    },
+    "audioflamingo3": {
+        "audio": lambda: [_tone(2.0, 10), "Transcribe."],
+        "two_clips": lambda: [_tone(0.7, 11), "then", _tone(1.6, 12), "Compare."],
+    },
+}
+PARAMS = [(family, case) for family, cases in CASES.items() for case in cases]
+
+
+@pytest.mark.parametrize(("family", "case"), PARAMS)
+@pytest.mark.parametrize("mode", ["epd", "epd-combined"])
+async def test_greedy_tokens_match_monolithic(family_stack, family, case, mode):
+    request = chat_request(CASES[family][case](), max_tokens=20, min_tokens=MIN_TOKENS)
+    oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=180)
+    result = await generate(family_stack.gateway_stub(mode), request, timeout=180)
+
+    assert len(oracle.token_ids) >= MIN_TOKENS
+    assert result.token_ids == oracle.token_ids
+    assert result.finished.usage.prompt_tokens == oracle.finished.usage.prompt_tokens
+    assert result.finished.usage.multimodal_tokens == oracle.finished.usage.multimodal_tokens > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3_omni_moe"])
+async def test_the_encoder_says_which_modalities_need_their_media(family_stack, family):
+    """vLLM 0.32 declares a metadata-only layout for Qwen3-Omni audio but not for its image: the
+    encoder reports exactly that, from vLLM's declaration."""
+    items = [
+        multimodal_pb2.MediaItem(audio=multimodal_pb2.Audio(file=multimodal_pb2.Media(data=_tone(1.0, 13)[0], mime_type="audio/wav"))),
+        multimodal_pb2.MediaItem(image=multimodal_pb2.Media(data=_image(14)[0], mime_type="image/png")),
+    ]
+    async with grpc.aio.insecure_channel(family_stack.encoder.address) as channel:
+        stub = encoder_pb2_grpc.EncoderServiceStub(channel)
+        response = await stub.Encode(encoder_pb2.EncodeRequest(items=items), timeout=60)
+        await stub.ReleaseEmbeddings(encoder_pb2.ReleaseEmbeddingsRequest(lease_ids=[i.embedding.nixl.lease_id for i in response.items]))
+    audio, image = (item.metadata for item in response.items)
+    assert not audio.layout_needs_media and audio.audio_feature_length > 0
+    assert image.layout_needs_media and image.placeholder_count > 0
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_omni"])
+async def test_omni_metadata_only_path_carries_no_media(family_stack, family):
+    """Audio, image and video of an Omni thinker reach decode as metadata only."""
+    tone, png = _tone(1.0, 15), _image(16)
+    request = chat_request([tone, png, "Both?"], max_tokens=16, min_tokens=MIN_TOKENS)
+    oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=180)
+    from epd.launcher import gateway_args
+
+    tap = RecordingProxy(family_stack.decode.address, streaming=frozenset({"Decode"}))
+    s = family_stack
+    args = gateway_args(s.model, "epd", encoders=[s.encoder.address], prefills=[s.prefill.address], decodes=[await tap.start()])
+    try:
+        with s.stack.temporary("gateway-tapped-omni", args) as gateway:
+            result = await generate(gateway_stub(gateway.address), request, timeout=180)
+    finally:
+        await tap.stop()
+    assert result.token_ids == oracle.token_ids
+    (body,) = tap.requests_for("/Decode")
+    assert tone[0][:64] not in body and png[0][:64] not in body
+    audio, image = decode_pb2.DecodeRequest.FromString(body).items
+    assert audio.metadata.audio_feature_length > 0 and not audio.HasField("forwarded_media")
+    assert image.metadata.grid_thw.h > 0 and not image.HasField("forwarded_media")
+    assert await wait_for_metric(s.encoder.metrics_port, "epd_arena_leases", 0.0) == 0.0
