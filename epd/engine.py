@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import logging
 import os
 import uuid
@@ -172,9 +173,11 @@ class Engine:
         """Media kinds the model takes."""
         return self._modalities
 
+    @functools.cached_property
     def connector_counters(self) -> dict[str, Any]:
         """Live counters of the EC connector (the encoder's arena, a consumer's receive buffer),
-        read from the buffer the engine process shares with this one: callables, for gauges."""
+        read from the buffer the engine process shares with this one: callables, for gauges.
+        Available once the engine has started."""
         if self.config.role.ec_role is None:
             return {}
         from epd.transport.arena import ARENA_COUNTERS, SharedCounters

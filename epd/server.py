@@ -213,7 +213,7 @@ async def _serve_until_stopped(host: GrpcHost, engine) -> None:
 
 
 def _bind_engine_gauges(engine) -> None:
-    counters = engine.connector_counters()
+    counters = engine.connector_counters
     bindings = {
         "leases": telemetry.ARENA_LEASES,
         "free_slots": telemetry.ARENA_FREE_SLOTS,

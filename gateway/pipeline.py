@@ -28,7 +28,7 @@ from epd.errors import FieldViolation, InvalidArgument
 from epd.media import MediaLimits, check_modalities, check_sizes_and_types
 from epd.media.decode import MediaDecoder, vllm_input
 from epd.prompt import PromptRenderer
-from gateway.stages import DecodeClient, DecodeDelta, EncoderClient, Leases, PrefillClient
+from gateway.stages import DecodeClient, Delta, EncoderClient, Leases, PrefillClient
 
 logger = logging.getLogger(__name__)
 
@@ -37,12 +37,6 @@ class Mode(enum.Enum):
     EPD = "epd"
     COMBINED = "epd-combined"
     MONOLITHIC = "monolithic"
-
-
-@dataclasses.dataclass(frozen=True)
-class Delta:
-    token_ids: list[int]
-    text: str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,9 +162,9 @@ class DisaggregatedPipeline:
                 engine_request = dataclasses.replace(engine_request, kv_handoff=handoff)
             started = time.perf_counter()
             async for event in self.decodes.decode(engine_request, deadline):
-                if isinstance(event, DecodeDelta):
+                if isinstance(event, Delta):
                     clock.token(len(event.token_ids))
-                    yield Delta(event.token_ids, event.text)
+                    yield event
                     continue
                 clock.timings.decode = time.perf_counter() - started
                 multimodal = sum(item.metadata.placeholder_length for item in items)

@@ -104,7 +104,9 @@ class PrefillClient:
 
 
 @dataclasses.dataclass(frozen=True)
-class DecodeDelta:
+class Delta:
+    """Tokens generated since the last event, and their text."""
+
     token_ids: list[int]
     text: str
 
@@ -119,7 +121,7 @@ class DecodeClient:
     def __init__(self, pool: StagePool):
         self.pool = pool
 
-    async def decode(self, request: EngineRequest, deadline: float | None) -> AsyncIterator[DecodeDelta | DecodeEnd]:
+    async def decode(self, request: EngineRequest, deadline: float | None) -> AsyncIterator[Delta | DecodeEnd]:
         """Streams the decode stage's tokens, then one :class:`DecodeEnd`; leaving early
         cancels the call, which aborts the engine request."""
         address = self.pool.pick()
@@ -128,7 +130,7 @@ class DecodeClient:
             try:
                 async for response in call:
                     if response.token_ids:
-                        yield DecodeDelta(list(response.token_ids), response.text)
+                        yield Delta(list(response.token_ids), response.text)
                     if response.finish_reason:
                         yield DecodeEnd(wire.finish_reason_from_wire(response.finish_reason), response.prompt_token_count)
                         return

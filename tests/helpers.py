@@ -66,3 +66,23 @@ async def encode_then_prefill(family_stack, parts: list, mutate=None) -> grpc.ai
             await encoder_pb2_grpc.EncoderServiceStub(enc).ReleaseEmbeddings(encoder_pb2.ReleaseEmbeddingsRequest(lease_ids=leases), timeout=10)
             return exc
     return None
+
+
+MIN_TOKENS = 16
+
+
+async def assert_matches_monolithic(family_stack, parts: list, mode: str, *, max_tokens: int = 20):
+    """The bar: ``mode``'s greedy tokens (at least MIN_TOKENS) and token counts equal those of
+    the monolithic vLLM run of the same request. Returns the disaggregated result."""
+    from epd.client import chat_request, generate
+
+    request = chat_request(parts, max_tokens=max_tokens, min_tokens=MIN_TOKENS)
+    oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=180)
+    result = await generate(family_stack.gateway_stub(mode), request, timeout=180)
+    assert len(oracle.token_ids) >= MIN_TOKENS
+    assert result.token_ids == oracle.token_ids
+    assert result.text == oracle.text
+    assert result.finished.finish_reason == oracle.finished.finish_reason
+    assert result.finished.usage.prompt_tokens == oracle.finished.usage.prompt_tokens
+    assert result.finished.usage.multimodal_tokens == oracle.finished.usage.multimodal_tokens > 0
+    return result

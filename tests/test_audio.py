@@ -9,9 +9,8 @@ import pytest
 from epd.client import chat_request, generate
 from epd.testing import noise_flac, noise_samples, pcm_bytes, sine_wav, synthetic_image_png, wav_int16
 from epd.v1 import multimodal_pb2
-from tests.helpers import violations, wait_for_metric
+from tests.helpers import MIN_TOKENS, assert_matches_monolithic, violations, wait_for_metric
 
-MIN_TOKENS = 16
 QWEN2_AUDIO = pytest.mark.parametrize("family", ["qwen2_audio"])
 
 
@@ -33,14 +32,7 @@ CASES = {
 @pytest.mark.parametrize("mode", ["epd", "epd-combined"])
 @pytest.mark.parametrize("case", list(CASES))
 async def test_audio_greedy_tokens_match_monolithic(family_stack, family, mode, case):
-    request = chat_request(CASES[case](), max_tokens=20, min_tokens=MIN_TOKENS)
-    oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=180)
-    result = await generate(family_stack.gateway_stub(mode), request, timeout=180)
-
-    assert len(oracle.token_ids) >= MIN_TOKENS
-    assert result.token_ids == oracle.token_ids
-    assert result.finished.usage.prompt_tokens == oracle.finished.usage.prompt_tokens
-    assert result.finished.usage.multimodal_tokens == oracle.finished.usage.multimodal_tokens > 0
+    await assert_matches_monolithic(family_stack, CASES[case](), mode)
 
 
 def _parts(part) -> list:

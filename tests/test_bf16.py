@@ -25,8 +25,8 @@ from epd.transport.shared_buffer import SharedBuffer
 from epd.transport.slot_header import HEADER_BYTES
 from epd.v1 import common_pb2, decode_pb2, decode_pb2_grpc, encoder_pb2, encoder_pb2_grpc, engine_pb2, multimodal_pb2
 from tests.conftest import BF16, stack_key
+from tests.helpers import MIN_TOKENS, assert_matches_monolithic
 
-MIN_TOKENS = 16
 VL = stack_key("qwen2_5_vl", BF16)
 OMNI = stack_key("qwen2_5_omni", BF16)
 PNG = synthetic_image_png(140, 112, seed=91)
@@ -46,11 +46,7 @@ CASES = {
 @pytest.mark.parametrize(("family", "case"), [(family, case) for family, cases in CASES.items() for case in cases])
 @pytest.mark.parametrize("mode", ["epd", "epd-combined"])
 async def test_bf16_greedy_tokens_match_monolithic(family_stack, family, case, mode):
-    request = chat_request(CASES[family][case](), max_tokens=24, min_tokens=MIN_TOKENS)
-    oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=180)
-    result = await generate(family_stack.gateway_stub(mode), request, timeout=180)
-    assert len(oracle.token_ids) >= MIN_TOKENS
-    assert result.token_ids == oracle.token_ids
+    await assert_matches_monolithic(family_stack, CASES[family][case](), mode, max_tokens=24)
 
 
 def _hf_tower_embedding(model: str) -> torch.Tensor:

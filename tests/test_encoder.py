@@ -1,6 +1,7 @@
 """The encoder service: vLLM's encoder-only engine loads only tower shards, concurrent requests
 give the same results as alone, a full arena holds requests back and then refuses them with
-RESOURCE_EXHAUSTED and RetryInfo, and explicit release frees leases."""
+RESOURCE_EXHAUSTED and RetryInfo, explicit release frees leases, and an item the arena can never
+hold is INVALID_ARGUMENT."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from grpc_status import rpc_status
 
 from epd.testing import synthetic_image_png
 from epd.v1 import encoder_pb2, encoder_pb2_grpc, multimodal_pb2
-from tests.helpers import wait_for_metric
+from tests.helpers import violations, wait_for_metric
 
 SLOTS = 4
 SLOT_BYTES = 16384  # a 112x112 image is 16 rows x 128 floats = 8 KiB plus a 64-byte header
@@ -61,6 +62,12 @@ async def test_concurrency_arena_exhaustion_and_release(small_encoder, family_st
         again = await stub.Encode(_encode_request(99), timeout=60)
         assert again.items[0].metadata.placeholder_count == 16
         await stub.ReleaseEmbeddings(encoder_pb2.ReleaseEmbeddingsRequest(lease_ids=[again.items[0].embedding.nixl.lease_id]))
+
+        # An item the arena can never hold is refused at once, naming it, not queued.
+        big = multimodal_pb2.MediaItem(image=multimodal_pb2.Media(data=synthetic_image_png(448, 448, seed=5), mime_type="image/png"))
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Encode(encoder_pb2.EncodeRequest(items=[big]), timeout=60)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "items[0]" in violations(info.value), info.value.details()
 
 
 async def test_encoder_reads_only_tower_shards_and_ignores_garbage_elsewhere(family_stack, tmp_path: pathlib.Path):

@@ -9,8 +9,7 @@ import pytest
 from epd.checkpoints import FAMILIES
 from epd.client import chat_request, generate
 from epd.testing import synthetic_image_png
-
-MIN_TOKENS = 16
+from tests.helpers import MIN_TOKENS, assert_matches_monolithic
 
 
 def _image(width: int, height: int, seed: int) -> tuple[bytes, str]:
@@ -28,17 +27,7 @@ CASES = {
 @pytest.mark.parametrize("mode", ["epd", "epd-combined"])
 @pytest.mark.parametrize("case", list(CASES))
 async def test_greedy_tokens_match_monolithic(family_stack, family, mode, case):
-    # min_tokens keeps a random-weight model from ending early at end-of-sequence.
-    request = chat_request(CASES[case](), max_tokens=24, min_tokens=MIN_TOKENS)
-    oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=120)
-    result = await generate(family_stack.gateway_stub(mode), request, timeout=120)
-
-    assert len(oracle.token_ids) >= MIN_TOKENS
-    assert result.token_ids == oracle.token_ids
-    assert result.text == oracle.text
-    assert result.finished.finish_reason == oracle.finished.finish_reason
-    assert result.finished.usage.prompt_tokens == oracle.finished.usage.prompt_tokens
-    assert result.finished.usage.multimodal_tokens == oracle.finished.usage.multimodal_tokens > 0
+    result = await assert_matches_monolithic(family_stack, CASES[case](), mode, max_tokens=24)
     timings = result.finished.timings
     assert timings.encode.ToNanoseconds() > 0 and timings.decode.ToNanoseconds() > 0
     assert (timings.prefill.ToNanoseconds() > 0) == (mode == "epd")

@@ -287,7 +287,7 @@ def test_inline_embeddings_are_copied_in_without_nixl(consumer):
     (install,) = consumer.build_installs(_SchedulerOutput())
     view = SharedBuffer.attach(f"{consumer._config.engine_id}-receive").tensor
     assert torch.equal(view[install.offset : install.offset + rows.numel() * 4].view(torch.float32).view(3, 16), rows)
-    assert consumer._reader is None  # no NIXL agent was needed
+    assert [type(r).__name__ for r in consumer._readers.values()] == ["InlineReader"]  # no NIXL agent was needed
 
 
 # --- The arena alone -----------------------------------------------------------------------

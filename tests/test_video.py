@@ -10,9 +10,8 @@ from epd.client import chat_request, generate
 from epd.testing import synthetic_frames_png, synthetic_image_png, synthetic_video
 from epd.v1 import multimodal_pb2
 from tests.conftest import MAX_VIDEO_FRAMES
-from tests.helpers import encode_then_prefill, violations, wait_for_metric
+from tests.helpers import MIN_TOKENS, assert_matches_monolithic, encode_then_prefill, violations, wait_for_metric
 
-MIN_TOKENS = 16
 QWEN3 = pytest.mark.parametrize("family", ["qwen3_vl"])
 VIDEO_FAMILIES = pytest.mark.parametrize("family", ["qwen3_vl", "qwen2_5_vl"])
 
@@ -40,14 +39,7 @@ CASES = {
 @pytest.mark.parametrize("mode", ["epd", "epd-combined"])
 @pytest.mark.parametrize("case", list(CASES))
 async def test_video_greedy_tokens_match_monolithic(family_stack, family, mode, case):
-    request = chat_request(CASES[case](), max_tokens=20, min_tokens=MIN_TOKENS)
-    oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=180)
-    result = await generate(family_stack.gateway_stub(mode), request, timeout=180)
-
-    assert len(oracle.token_ids) >= MIN_TOKENS
-    assert result.token_ids == oracle.token_ids
-    assert result.finished.usage.prompt_tokens == oracle.finished.usage.prompt_tokens
-    assert result.finished.usage.multimodal_tokens == oracle.finished.usage.multimodal_tokens > 0
+    await assert_matches_monolithic(family_stack, CASES[case](), mode)
 
 
 @pytest.mark.parametrize(("family", "field"), [("qwen3_vl", "video_timestamps_s"), ("qwen2_5_vl", "second_per_grid_ts")])

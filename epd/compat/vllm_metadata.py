@@ -6,8 +6,8 @@ patch group, ``temporal_patch_size / sampled fps``), which the processor compute
 media. On an EC or KV consumer the media is gone, and vLLM's data parsers declare only
 ``video_grid_thw`` as the video's placeholder metadata, so the producer never publishes the
 value and the consumer falls back to 1.0 s. Tokens then differ from a monolithic run for any
-video whose sampled rate is not exactly half its patch size (most clips). Qwen2.5-VL's parser
-also drops the field from metadata-only items altogether; Qwen2.5-Omni's keeps it.
+video whose sampled rate is not exactly half its patch size (most clips). Both models also parse
+metadata-only video with Qwen2-VL's field factory, which drops the field altogether.
 
 This module declares the field as metadata on both parsers, as vLLM does for Qwen3-VL's
 ``timestamps``, so that an encoder publishes it and consumers require and keep it. Nothing else
@@ -27,31 +27,27 @@ _FIELD = "second_per_grid_ts"
 
 @functools.cache
 def install() -> None:
-    from vllm.model_executor.models import qwen2_5_omni_thinker, qwen2_5_vl
-    from vllm.model_executor.models.qwen2_vl import Qwen2VLMultiModalDataParser, _create_qwen2vl_field_factory
+    from vllm.model_executor.models import qwen2_5_omni_thinker, qwen2_5_vl, qwen2_vl
     from vllm.multimodal.inputs import MultiModalFieldConfig
-    from vllm.multimodal.parse import DictEmbeddingItems
 
-    video_fields = {**Qwen2VLMultiModalDataParser.embedding_fields["video"], _FIELD: "metadata"}
+    # Both models parse metadata-only video through Qwen2-VL's field factory, which drops the
+    # field; give it a place there (unused where nothing supplies it).
+    base_factory = qwen2_vl._create_qwen2vl_field_factory
 
-    class Qwen2_5_VLDataParser(Qwen2VLMultiModalDataParser):
-        embedding_fields = {**Qwen2VLMultiModalDataParser.embedding_fields, "video": video_fields}
+    def field_factory(spatial_merge_size: int):
+        fields_of = base_factory(spatial_merge_size)
+        return lambda hf_inputs: {**fields_of(hf_inputs), _FIELD: MultiModalFieldConfig.batched("video", keep_on_cpu=True)}
 
-        def _parse_video_data(self, data):
-            if not isinstance(data, dict):
-                return super()._parse_video_data(data)
-            base_factory = _create_qwen2vl_field_factory(self._spatial_merge_size)
-            required, optional = self.embedding_field_sets("video")
-            return DictEmbeddingItems(
-                data,
-                modality="video",
-                required_fields=required,
-                optional_fields=optional,
-                fields_factory=lambda hf_inputs: {**base_factory(hf_inputs), _FIELD: MultiModalFieldConfig.batched("video", keep_on_cpu=True)},
-            )
+    qwen2_vl._create_qwen2vl_field_factory = field_factory
+
+    # Qwen2.5-VL shares Qwen2-VL's parser: declare the field on a parser of its own.
+    parser = qwen2_vl.Qwen2VLMultiModalDataParser
+    qwen2_5_vl_parser = type(
+        "Qwen2_5_VLDataParser", (parser,), {"embedding_fields": {**parser.embedding_fields, "video": {**parser.embedding_fields["video"], _FIELD: "metadata"}}}
+    )
 
     def get_data_parser(self):
-        return Qwen2_5_VLDataParser(
+        return qwen2_5_vl_parser(
             self.get_hf_config().vision_config.spatial_merge_size,
             video_needs_metadata=True,
             expected_hidden_size=self._get_expected_hidden_size(),

@@ -59,8 +59,10 @@ class SharedCounters:
 
 
 # shards_read / shards_total: the weight shards the encoder-only engine loaded, as vLLM reported
-# them (0 / 0 when it could not be observed). <modality>_batches / _batch_items: engine steps that
-# encoded items of the modality, and the items they encoded (cumulative).
+# them (0 / 0 when it could not be observed). <modality>_width: the encoder's output width per
+# row, as vLLM measured it, and element_bytes: its dtype's size (together they size an item).
+# <modality>_batches / _batch_items: engine steps that encoded items of the modality, and the
+# items they encoded (cumulative).
 MODALITIES = ("image", "video", "audio")
 ARENA_COUNTERS = (
     "leases",
@@ -69,6 +71,8 @@ ARENA_COUNTERS = (
     "slot_bytes",
     "shards_read",
     "shards_total",
+    "element_bytes",
+    *(f"{m}_width" for m in MODALITIES),
     *(f"{m}_{kind}" for m in MODALITIES for kind in ("batches", "batch_items")),
 )
 

@@ -111,7 +111,7 @@ class EpdECConnector(ECConnectorBase):
         return False, None
 
     def take_unavailable_requests(self) -> set[str]:
-        return self._consumer.take_unavailable_requests() if self._consumer is not None else set()
+        return (self._producer or self._consumer).take_unavailable_requests()
 
     # ---- worker side --------------------------------------------------------------------
 

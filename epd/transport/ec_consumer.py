@@ -20,9 +20,10 @@ import dataclasses
 import logging
 from typing import TYPE_CHECKING
 
-from epd.domain import InlineEmbedding, NixlLocation
+from epd.domain import EmbeddingLocation, InlineEmbedding, NixlLocation
 from epd.transport._slots import SlotAllocator
 from epd.transport.arena import SharedCounters
+from epd.transport.base import Read, Reader
 from epd.transport.ec_params import ExpectedItem, expected_from_params
 from epd.transport.shared_buffer import SharedBuffer
 from epd.transport.slot_header import DTYPES, HEADER_BYTES, SlotHeader, SlotStatus, slot_bytes
@@ -79,7 +80,7 @@ class ConsumerScheduler:
         self._pages = SlotAllocator((config.buffer_bytes - SharedCounters.BYTES) // PAGE_BYTES)
         self.counters = SharedCounters(self._buffer.tensor, RECEIVE_COUNTERS)
         self.counters.set("num_pages", self._pages.num_slots)
-        self._reader = None  # created on the first NIXL location: inline-only hosts need no NIXL
+        self._readers: dict[type, Reader] = {}  # by location kind, made on first use: inline-only hosts need no NIXL
         self._items: dict[str, _Item] = {}
         self._requests: dict[str, _RequestState] = {}
         self._unavailable: set[str] = set()
@@ -148,8 +149,8 @@ class ConsumerScheduler:
         return unavailable
 
     def close(self) -> None:
-        if self._reader is not None:
-            self._reader.close()
+        for reader in self._readers.values():
+            reader.close()
         self._buffer.close()
 
     # ---- internals ----------------------------------------------------------------------
@@ -174,6 +175,10 @@ class ConsumerScheduler:
             if handle.rows != rows or handle.dtype not in DTYPES:
                 self._mark_unavailable(request_id, f"item {index} takes {rows} embedding rows; its handle promises {handle.rows} of {handle.dtype}")
                 return None
+            payload = handle.rows * handle.width * DTYPES[handle.dtype].itemsize
+            if isinstance(handle.location, InlineEmbedding) and len(handle.location.data) != payload:
+                self._mark_unavailable(request_id, f"item {index}'s inline embedding holds {len(handle.location.data)} bytes, not the {payload} its shape needs")
+                return None
         for mm_hash in hashes:
             item = self._items.get(mm_hash)
             if item is not None and item.state == "failed":
@@ -194,7 +199,6 @@ class ConsumerScheduler:
         that does not fit stops the ones behind it: two requests each holding half of what
         they need would otherwise wait for each other forever.
         """
-        reads = []
         for state in self._requests.values():
             waiting = [(h, self._items[h]) for h in dict.fromkeys(state.items) if self._items[h].state == "waiting"]
             if not waiting:
@@ -202,19 +206,11 @@ class ConsumerScheduler:
             if not self._allocate(waiting):
                 break
             for mm_hash, item in waiting:
-                if item.state != "waiting":
-                    continue  # it failed: it can never fit
-                if isinstance(item.expected.location, InlineEmbedding):
-                    self._copy_inline(item)
-                else:
+                if item.state == "waiting":  # else it failed: it can never fit
                     item.state = "loading"
-                    reads.append((mm_hash, item))
-        if reads:
-            from epd.transport.nixl import Read
-
-            self._nixl_reader().submit([Read(h, item.expected.location, item.offset) for h, item in reads])
-        if self._reader is not None and self._reader.busy:
-            for mm_hash, error in self._reader.poll():
+                    self._reader(item.expected.location).submit([Read(mm_hash, item.expected.location, item.offset)])
+        for reader in self._readers.values():
+            for mm_hash, error in reader.poll():
                 item = self._items.get(mm_hash)
                 if item is not None and item.state == "loading":
                     self._check_loaded(item, error)
@@ -241,24 +237,10 @@ class ConsumerScheduler:
             taken.append(item)
         return True
 
-    def _copy_inline(self, item: _Item) -> None:
-        expected = item.expected
-        data = expected.location.data
-        payload = expected.rows * expected.width * DTYPES[expected.dtype].itemsize
-        if len(data) != payload:
-            self._fail(item, f"inline embedding holds {len(data)} bytes; {expected.rows} x {expected.width} {expected.dtype} is {payload}")
-            return
-        import torch
-
-        start = item.offset + HEADER_BYTES
-        self._buffer.tensor[start : start + payload].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        item.state = "ready"
-        self._add("inline_bytes", payload)
-
     def _check_loaded(self, item: _Item, error: str | None) -> None:
-        """A READ ended: the header must show the promised item, fully written."""
-        if error is None:
-            expected = item.expected
+        """A read ended: over NIXL, the slot header must show the promised item, fully written."""
+        expected = item.expected
+        if error is None and isinstance(expected.location, NixlLocation):
             try:
                 header = SlotHeader.unpack_from(self._buffer.tensor, item.offset)
             except ValueError as exc:
@@ -269,7 +251,10 @@ class ConsumerScheduler:
                     error = f"the producer's slot no longer holds lease {expected.location.lease_id} as promised (found {header})"
         if error is None:
             item.state = "ready"
-            self._add("nixl_bytes", item.expected.location.nbytes)
+            if isinstance(expected.location, NixlLocation):
+                self._add("nixl_bytes", expected.location.nbytes)
+            else:
+                self._add("inline_bytes", len(expected.location.data))
         else:
             self._fail(item, error)
 
@@ -297,15 +282,20 @@ class ConsumerScheduler:
             item.first_page = None
 
     def _release_unread(self, expected: ExpectedItem) -> None:
-        if isinstance(expected.location, NixlLocation):
-            self._nixl_reader().release(expected.location)
+        self._reader(expected.location).release(expected.location)
 
-    def _nixl_reader(self):
-        if self._reader is None:
-            from epd.transport.nixl import NixlReader
+    def _reader(self, location: EmbeddingLocation) -> Reader:
+        kind = type(location)
+        if kind not in self._readers:
+            if kind is InlineEmbedding:
+                from epd.transport.inline import InlineReader
 
-            self._reader = NixlReader(self._buffer.tensor, agent_name=self._config.agent_name, timeout_s=self._config.read_timeout_s)
-        return self._reader
+                self._readers[kind] = InlineReader(self._buffer.tensor)
+            else:
+                from epd.transport.nixl import NixlReader
+
+                self._readers[kind] = NixlReader(self._buffer.tensor, agent_name=self._config.agent_name, timeout_s=self._config.read_timeout_s)
+        return self._readers[kind]
 
     def _update_counters(self) -> None:
         self.counters.set("items", len(self._items))

@@ -22,16 +22,17 @@ from typing import TYPE_CHECKING, Any
 
 from epd.mm_items import engine_field_from_vllm
 from epd.transport.arena import MODALITIES, EmbeddingArena, Lease
+from epd.transport.base import Publisher
+from epd.transport.ec_config import ConnectorConfig
 from epd.transport.ec_params import PublishedItem, published_to_params
 from epd.transport.shared_buffer import SharedBuffer
-from epd.transport.slot_header import HEADER_BYTES, SlotHeader, SlotStatus, dtype_name, slot_bytes
+from epd.transport.slot_header import DTYPES, SlotHeader, SlotStatus, dtype_name, slot_bytes
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-    from epd.transport.ec_config import ConnectorConfig
 
 logger = logging.getLogger(__name__)
 
@@ -69,13 +70,11 @@ class ProducerScheduler:
         self._resolver = PlaceholderMetadataResolver(vllm_config.model_config)
         self._buffer = SharedBuffer.create(config.buffer_name("arena"), config.buffer_bytes)
         self._arena = EmbeddingArena(self._buffer.tensor, slot_bytes=config.slot_bytes, lease_ttl_s=config.lease_ttl_s)
-        self._publisher = None
-        if config.transport == "nixl":
-            from epd.transport.nixl import NixlPublisher
-
-            self._publisher = NixlPublisher(self._buffer.tensor, agent_name=config.agent_name, listen_host=config.listen_host, listen_port=config.listen_port)
+        self._publisher = _publisher(config, self._buffer.tensor)
         self._requests: dict[str, dict[str, _Reservation]] = {}
         self._modalities: dict[str, list[str]] = {}  # request id -> modality of each item
+        self._unavailable: set[str] = set()
+        self._publish_item_sizes()
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="epd-ec-reaper", daemon=True)
         self._reaper.start()
@@ -108,7 +107,9 @@ class ProducerScheduler:
             try:
                 lease = self._arena.reserve(slot_bytes(rows, width, self._dtype))
             except ValueError:
-                logger.error("an item of request %s can never fit the encoder arena; raise --arena-bytes", request.request_id)
+                # The encoder service refuses such items before they get here; this is a guard.
+                logger.error("an item of request %s can never fit the arena (--embedding-buffer-bytes)", request.request_id)
+                self._unavailable.add(request.request_id)
                 lease = None
             if lease is None:
                 for reservation in reservations.values():
@@ -119,6 +120,10 @@ class ProducerScheduler:
         self._requests[request.request_id] = reservations
         self._modalities[request.request_id] = [f.modality for f in request.mm_features]
         return True
+
+    def take_unavailable_requests(self) -> set[str]:
+        unavailable, self._unavailable = self._unavailable, set()
+        return unavailable
 
     def saves_for(self, scheduler_output: SchedulerOutput) -> list[Save]:
         """The slots of every request scheduled in this step (the worker skips filled ones)."""
@@ -150,11 +155,19 @@ class ProducerScheduler:
     def close(self) -> None:
         self._stop.set()
         self._reaper.join(timeout=1)
-        if self._publisher is not None:
-            self._publisher.close()
+        self._publisher.close()
         self._buffer.close()
 
     # ---- internals ----------------------------------------------------------------------
+
+    def _publish_item_sizes(self) -> None:
+        """What an item of each modality costs per row, so that the encoder service can refuse
+        an item the arena can never hold before the engine sees it."""
+        counters = self._arena.counters
+        counters.set("element_bytes", DTYPES[self._dtype].itemsize)
+        for modality, width in self._vllm_config.ec_transfer_config.mm_encoder_output_widths.items():
+            if modality in MODALITIES:
+                counters.set(f"{modality}_width", width)
 
     def _count_batches(self, scheduler_output: SchedulerOutput) -> None:
         """Items the tower encodes in this step, per modality: vLLM's batch across requests."""
@@ -190,15 +203,7 @@ class ProducerScheduler:
         if header.status is not SlotStatus.READY or header.generation != lease.generation:
             self._arena.release(lease.lease_id)
             return dataclasses.replace(item, error=f"the encoder output of item {index} was not written ({header.status.name})")
-        expires_at = self._arena.start_expiry(lease.lease_id)
-        if self._publisher is not None:
-            return dataclasses.replace(item, location=self._publisher.location(lease, expires_at))
-        from epd.domain import InlineEmbedding
-
-        rows = self._buffer.tensor[lease.offset + HEADER_BYTES : lease.offset + lease.nbytes]
-        location = InlineEmbedding(rows.numpy().tobytes())
-        self._arena.release(lease.lease_id)  # the bytes travel in the message
-        return dataclasses.replace(item, location=location)
+        return dataclasses.replace(item, location=self._publisher.location(lease, self._arena.start_expiry(lease.lease_id)))
 
     def _declared_fields(self, feature) -> dict:
         """The per-item fields the model declares as placeholder metadata for the modality."""
@@ -215,9 +220,20 @@ class ProducerScheduler:
     def _reap_loop(self) -> None:
         while not self._stop.wait(_REAP_INTERVAL_S):
             try:
-                if self._publisher is not None:
-                    for lease_id in self._publisher.ended_leases():
-                        self._arena.release(lease_id)
+                for lease_id in self._publisher.ended_leases():
+                    self._arena.release(lease_id)
                 self._arena.expire()
             except Exception:
                 logger.exception("EPD EC producer: reaping leases failed")
+
+
+def _publisher(config: ConnectorConfig, buffer) -> Publisher:
+    if config.transport == "inline":
+        from epd.transport.inline import InlinePublisher
+
+        return InlinePublisher(buffer)
+    if config.transport != "nixl":
+        raise ValueError(f"unknown embedding transport {config.transport!r}; expected nixl or inline")
+    from epd.transport.nixl import NixlPublisher
+
+    return NixlPublisher(buffer, agent_name=config.agent_name, listen_host=config.listen_host, listen_port=config.listen_port)

@@ -31,6 +31,7 @@ from epd.domain import NixlLocation
 from epd.ports import free_port
 from epd.transport._agent import NixlAgent, Row
 from epd.transport.arena import Lease
+from epd.transport.base import Read
 from epd.transport.errors import TransferError
 
 logger = logging.getLogger(__name__)
@@ -73,15 +74,6 @@ class NixlPublisher:
 
     def close(self) -> None:
         self._agent.deregister(self._registration)
-
-
-@dataclasses.dataclass(frozen=True)
-class Read:
-    """One item to READ: from ``location`` into the reader's buffer at ``offset``."""
-
-    key: Hashable
-    location: NixlLocation
-    offset: int
 
 
 @dataclasses.dataclass

@@ -18,12 +18,13 @@ from collections import defaultdict
 from epd import telemetry
 from epd.domain import EncodedItem, MediaInput, NixlLocation, Sampling
 from epd.engine import Engine
-from epd.errors import Internal, ResourceExhausted
+from epd.errors import FieldViolation, Internal, InvalidArgument, ResourceExhausted
 from epd.media import MediaLimits, check_modalities
 from epd.media.decode import MediaDecoder, vllm_input
 from epd.mm_items import metadata_from_published
 from epd.prompt import PromptRenderer
 from epd.transport.ec_params import published_from_params
+from epd.transport.slot_header import HEADER_BYTES
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class EncoderRunner:
             uuids[item.modality.value].append(item.content_hash)
         prompt = {"prompt_token_ids": self.renderer.render_items([i.modality for i in items]), "multi_modal_data": dict(data), "multi_modal_uuids": dict(uuids)}
         rendered = await self.engine.render(prompt, "items")
+        self._check_fits(rendered, paths)
         params = await self._run(f"{request_id}-encode", rendered)
         published = published_from_params(params)
         encoded = []
@@ -93,6 +95,29 @@ class EncoderRunner:
             self._releaser.close()
 
     # ---- internals ----------------------------------------------------------------------
+
+    def _check_fits(self, rendered, paths: list[str]) -> None:
+        """Refuses items the arena can never hold (it would otherwise keep them waiting).
+
+        Sizes come from the engine: its rows per item (the processor's layout) and its
+        measured output width per modality, published by the EC connector.
+        """
+        counters = self.engine.connector_counters
+        slot, element = counters["slot_bytes"](), counters["element_bytes"]()
+        capacity = counters["num_slots"]() * slot
+        needed = []
+        for path, (modality, _, rows) in zip(paths, rendered.placeholders, strict=True):
+            width = counters.get(f"{modality}_width", lambda: 0)()
+            needed.append((path, -(-(HEADER_BYTES + rows * width * element) // slot) * slot if width else 0))
+        violations = [
+            FieldViolation(path, f"its embedding needs {nbytes} bytes; this encoder's arena holds {capacity} (--embedding-buffer-bytes)")
+            for path, nbytes in needed
+            if nbytes > capacity
+        ]
+        if not violations and sum(n for _, n in needed) > capacity:
+            violations.append(FieldViolation("items", f"their embeddings need {sum(n for _, n in needed)} bytes together; this encoder's arena holds {capacity}"))
+        if violations:
+            raise InvalidArgument("; ".join(f"{v.field}: {v.description}" for v in violations), violations)
 
     async def _run(self, request_id: str, rendered) -> dict:
         """One encoder-only engine request; its final output carries what was published."""

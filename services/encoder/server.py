@@ -21,7 +21,7 @@ async def serve(engine_config: EngineConfig, config: EncoderConfig, server: Serv
     engine = Engine(dataclasses.replace(engine_config, role=EngineRole.ENCODER))
 
     def on_ready(engine: Engine) -> None:
-        counters = engine.connector_counters()
+        counters = engine.connector_counters
         read, total = counters["shards_read"](), counters["shards_total"]()
         report = f"read {read} of {total} safetensors shards" if total else "shards read unknown (the engine's workers run in other processes)"
         logger.info("encoder-only load: %s", report)

@@ -1,0 +1,63 @@
+"""The inline transport: the rows travel in the request, no NIXL anywhere.
+
+Only when explicitly configured (``--embedding-transport inline``): benchmarks, and hosts
+without NIXL. Every hop then carries a copy of the embedding. The slot header stays behind:
+the consumer checks the size instead, and there is no lease that could be reused under it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+
+import torch
+
+from epd.domain import EmbeddingLocation, InlineEmbedding
+from epd.transport.arena import Lease
+from epd.transport.base import Read
+from epd.transport.slot_header import HEADER_BYTES
+
+
+class InlinePublisher:
+    """Copies a published slot's rows into the location itself; the lease ends right away."""
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+        self._ended: list[str] = []
+
+    def location(self, lease: Lease, expires_at_unix_s: float) -> InlineEmbedding:
+        self._ended.append(lease.lease_id)  # the bytes travel in the message: nothing to wait for
+        return InlineEmbedding(self._buffer[lease.offset + HEADER_BYTES : lease.offset + lease.nbytes].numpy().tobytes())
+
+    def ended_leases(self) -> list[str]:
+        ended, self._ended = self._ended, []
+        return ended
+
+    def close(self) -> None:
+        pass
+
+
+class InlineReader:
+    """Copies inline rows into the receive buffer (after the slot header's place) on submit."""
+
+    busy = False
+
+    def __init__(self, buffer: torch.Tensor) -> None:
+        self._buffer = buffer
+        self._finished: list[tuple[Hashable, str | None]] = []
+
+    def submit(self, reads: Sequence[Read]) -> None:
+        for read in reads:
+            data = read.location.data
+            start = read.offset + HEADER_BYTES
+            self._buffer[start : start + len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+            self._finished.append((read.key, None))
+
+    def poll(self) -> list[tuple[Hashable, str | None]]:
+        finished, self._finished = self._finished, []
+        return finished
+
+    def release(self, location: EmbeddingLocation) -> None:
+        pass  # an inline item holds no lease on its producer
+
+    def close(self) -> None:
+        pass
