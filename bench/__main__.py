@@ -1,6 +1,7 @@
-"""``python -m bench``: the whole suite (embedding handoff, encoder cold start, serving A/B and
-topologies for images, video and audio), then BENCHMARKS.md: about 18 minutes on a 2-core CPU host;
-the flags scale the same experiments up for GPUs."""
+"""``python -m bench``: the whole suite (embedding handoff through the EC connector, encoder cold
+start, encoder throughput, serving A/B and topologies for images, video, audio and an Omni
+thinker), then BENCHMARKS.md. On a 2-core CPU host it takes about half an hour; the flags scale
+the same experiments up for GPUs."""
 
 from __future__ import annotations
 
@@ -8,17 +9,17 @@ import argparse
 import pathlib
 import time
 
-from bench.common import RESULTS_DIR, command_line, progress
-
-EXPERIMENTS = ("handoff", "cold_start", "serving", "serving_video", "serving_audio")
+from bench.common import EXPERIMENTS, RESULTS_DIR, command_line, progress
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="a smoke run of every experiment (seconds to a few minutes)")
+    parser.add_argument("--quick", action="store_true", help="a smoke run of every experiment (minutes)")
     parser.add_argument("--only", default=",".join(EXPERIMENTS), help=f"comma-separated subset of {', '.join(EXPERIMENTS)}")
     parser.add_argument(
-        "--model", default=None, help="serving*: checkpoint directory (default: the tiny Qwen2.5-VL, Qwen3-VL for video, Qwen2-Audio for audio)"
+        "--model",
+        default=None,
+        help="serving*: checkpoint directory (default: the tiny Qwen2.5-VL; Qwen3-VL for video, Qwen2-Audio for audio, Qwen2.5-Omni for omni)",
     )
     parser.add_argument("--rate", type=float, default=None, help="serving: Poisson request rate per second")
     parser.add_argument("--num-requests", type=int, default=None, help="serving: requests per run")
@@ -26,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-concurrency", type=int, default=None, help="serving: most requests in flight (arrivals wait for a slot)")
     parser.add_argument("--repeats", type=int, default=None, help="repeats per measurement (medians are reported)")
     parser.add_argument("--iterations", type=int, default=None, help="handoff: transfers per size")
+    parser.add_argument("--num-items", type=int, default=None, help="encoder_throughput: images per pass")
     parser.add_argument("--results-dir", type=pathlib.Path, default=RESULTS_DIR)
     parser.add_argument("--report", type=pathlib.Path, default=None, help="where to write BENCHMARKS.md (default: the repo root)")
     args = parser.parse_args(argv)
@@ -33,23 +35,27 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(chosen) - set(EXPERIMENTS))
     if unknown:
         parser.error(f"unknown experiments: {', '.join(unknown)}")
-    command = command_line()
     started = time.perf_counter()
     for name in chosen:
         progress(f"{name}: starting")
+        command = command_line(only=name)  # what reproduces this experiment alone
         if name == "handoff":
-            from bench.handoff import run
+            from bench.handoff import run as run_handoff
 
-            path = run(quick=args.quick, iterations=args.iterations, results_dir=args.results_dir, command=command)
+            path = run_handoff(quick=args.quick, iterations=args.iterations, results_dir=args.results_dir, command=command)
         elif name == "cold_start":
-            from bench.cold_start import run
+            from bench.cold_start import run as run_cold_start
 
-            path = run(quick=args.quick, repeats=args.repeats, results_dir=args.results_dir, command=command)
+            path = run_cold_start(quick=args.quick, repeats=args.repeats, results_dir=args.results_dir, command=command)
+        elif name == "encoder_throughput":
+            from bench.encoder_throughput import run as run_encoder_throughput
+
+            path = run_encoder_throughput(quick=args.quick, repeats=args.repeats, num_items=args.num_items, results_dir=args.results_dir, command=command)
         else:
-            from bench.serving import run
+            from bench.serving import run as run_serving
 
-            path = run(
-                modality={"serving": "image", "serving_video": "video", "serving_audio": "audio"}[name],
+            path = run_serving(
+                experiment=name,
                 quick=args.quick,
                 model=args.model,
                 rate=args.rate,

@@ -1,30 +1,31 @@
-"""Encoder cold start: loading only the vision tower versus reading the whole checkpoint.
+"""Encoder cold start: the vLLM encoder-only service against a full engine, to ready.
 
-The encoder service reads only the shards that hold the vision tower (``epd.weights``); a
-prefill or monolithic engine must read every tensor of every shard. This experiment measures
-both on a "bench" checkpoint built by the project (``epd.checkpoints``, ``scale="bench"``):
-the tiny vision tower in one shard and a 0.9 GB language model in 15 more, so that the
-encoder reads about 1 of 16 shards, as on real checkpoints.
+The encoder service (``epd encoder``) runs vLLM's encoder-only engine (an EC producer), which
+reads only the safetensors shards that hold the tower and says how many it read on its
+``EPD_ENCODER_LOAD`` line; a full engine (here ``epd decode --mode combined``, the E+PD consumer)
+must read every shard. Both are started as the services they are, on a "bench" checkpoint built
+by the project (``epd.checkpoints``, ``scale="bench"``): the tiny tower in one shard and a 0.9 GB
+language model in 15 more, so the encoder reads 1 of 16 shards, as on real checkpoints (vLLM
+read 2 of Qwen2.5-VL-72B's 96).
 
-- ``encoder_only``: constructing ``epd.models.qwen_vl.VisionEncoder`` (config, processors,
-  tower, vision tensors), the encoder service's whole start-up after its imports.
-- ``full_checkpoint``: ``epd.weights.load_tensors`` with an empty prefix, i.e. the same reader
-  fetching every tensor, each then copied into process memory as an engine copies weights into
-  its parameters: what a prefill engine must read before it can serve. (safetensors returns
-  tensors over a memory map, so without the copy little would be read at all.)
+Per start, from the service's own output (stdout lines are timestamped as they arrive):
 
-Each measurement runs in a fresh process, forked from a "zygote" interpreter that has imported
-what both loads need (torch, safetensors, transformers and the model's modules) and nothing
-else, so the load seconds exclude import time: on this kind of machine the imports take
-seconds, longer than the tiny tower's load, and would otherwise drown what is measured. The
-zygote's import seconds are reported on their own (progress lines). Forking also keeps a
-quick run of eight loads within seconds.
+- ``seconds_to_ready``: from spawning the process to its ``EPD_READY`` line (what an orchestrator
+  waits for), and ``seconds_to_listening`` (the gRPC port is up; the engine starts after it);
+- ``weights_seconds``: vLLM's own "Loading weights took" figure (two decimals), and
+  ``load_model_seconds``: from vLLM's "Starting to load model" line to that one (building the
+  model and reading its weights, timed here to the millisecond);
+- ``shards_read``: the encoder's ``EPD_ENCODER_LOAD`` line ("read k of n safetensors shards"),
+  and for the full engine vLLM's "Loading safetensors checkpoint shards" count;
+- after a cold start, the checkpoint pages the start brought into the page cache
+  (``mincore(2)``): which shards and how many bytes were actually read from disk.
 
-The page cache is set before every run: warm (every checkpoint file fully resident) and cold
-(every file written back and dropped with ``posix_fadvise(POSIX_FADV_DONTNEED)``, which needs
-no root). Both states are checked with ``mincore(2)``; if the files cannot be evicted (another
-process holding them mapped, a file system that ignores the advice), the cold runs are left out
-and the result says ``page_cache: "warm"``.
+The page cache is set before every start: warm (every checkpoint file fully resident) and cold
+(every file written back and dropped with ``posix_fadvise(POSIX_FADV_DONTNEED)``, which needs no
+root); only the checkpoint is evicted, not Python or vLLM. Both states are checked with
+``mincore(2)``; if the files cannot be evicted (another process holding them mapped, a file
+system that ignores the advice), the cold starts are left out and the result says
+``page_cache: "warm"``. One service runs at a time.
 """
 
 from __future__ import annotations
@@ -36,11 +37,13 @@ import json
 import mmap
 import os
 import pathlib
+import re
 import shlex
 import subprocess
 import sys
+import tempfile
+import threading
 import time
-import traceback
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -50,14 +53,21 @@ NAME = "cold_start"
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_CHECKPOINT_ROOT = REPO_ROOT / "checkpoints"  # where tests and `epd up` build theirs too
 FAMILY = "qwen2_5_vl"
-MODES = ("encoder_only", "full_checkpoint")
-DEFAULT_REPEATS = 5
-QUICK_REPEATS = 2
+# What each mode starts: `epd <args> --model DIR --port 0`.
+MODES: dict[str, list[str]] = {"encoder_only": ["encoder"], "full_engine": ["decode", "--mode", "combined"]}
+PAGE_CACHES = ("warm", "cold")
+DEFAULT_REPEATS = 3
+QUICK_REPEATS = 1
+START_TIMEOUT_S = 600.0
 # The states a run may start from: cold allows a few pages that eviction cannot drop (for
 # example ones another process has mapped at that moment), warm allows none missing.
 COLD_MAX_RESIDENT = 0.01
 WARM_MIN_RESIDENT = 1.0
 _READ_CHUNK = 8 * 2**20
+_ENCODER_LOAD = re.compile(r"^EPD_ENCODER_LOAD read (\d+) of (\d+) safetensors shards")
+_WEIGHTS = re.compile(r"Loading weights took ([\d.]+) seconds")
+_LOAD_STARTS = "Starting to load model"
+_SHARD_PROGRESS = re.compile(r"Loading safetensors checkpoint shards:.*?\|\s*(\d+)/(\d+)")
 
 
 def run(
@@ -67,67 +77,74 @@ def run(
     results_dir: pathlib.Path = RESULTS_DIR,
     command: str | None = None,
     checkpoint_root: pathlib.Path | None = None,
+    page_caches: Sequence[str] = PAGE_CACHES,
+    family: str = FAMILY,
 ) -> pathlib.Path:
-    """Measures both loads with a warm and, where possible, a cold page cache; writes the result.
+    """Starts each service with each page-cache state, ``repeats`` times; writes the result.
 
     Args:
-        quick: use the default tiny checkpoint (3 shards, 3 MB) and 2 repeats: a smoke test.
-        repeats: runs per mode and page-cache state (default 5, quick 2).
+        quick: use the tiny checkpoint (3 shards, 3 MB) and 1 repeat: a smoke run.
+        repeats: starts per mode and page-cache state (default 3, quick 1).
         results_dir: where ``cold_start.json`` is written.
         command: the command line recorded in the result (default: this process's).
         checkpoint_root: parent directory of the checkpoints (default ``<repo>/checkpoints``);
-            the checkpoint is built there if missing (about 0.9 GB and half a minute for bench).
+            the checkpoint is built there if missing (about 0.9 GB and a minute for bench).
+        page_caches: which of ``warm`` and ``cold`` to measure.
+        family: the tiny checkpoint family (default Qwen2.5-VL).
 
     Returns:
         The path of the result file.
     """
     from epd.checkpoints import ensure_tiny_checkpoint
-    from epd.models.qwen_vl import _VISION_PREFIXES  # exactly what VisionEncoder reads
 
+    unknown = set(page_caches) - set(PAGE_CACHES)
+    if unknown or not page_caches:
+        raise ValueError(f"page_caches must be a non-empty subset of {PAGE_CACHES}, got {list(page_caches)}")
     repeats = repeats or (QUICK_REPEATS if quick else DEFAULT_REPEATS)
     scale = "tiny" if quick else "bench"
     root = checkpoint_root or DEFAULT_CHECKPOINT_ROOT
     started = time.perf_counter()
-    model_dir = ensure_tiny_checkpoint(FAMILY, root, scale=scale)
-    checkpoint = describe_checkpoint(model_dir, _VISION_PREFIXES)
-    progress(
-        f"{NAME}: {model_dir} ready after {time.perf_counter() - started:.1f}s: {checkpoint['shards']} shards, "
-        f"{checkpoint['bytes'] / 2**20:.1f} MiB of tensors, {checkpoint['vision_bytes'] / 2**20:.2f} MiB vision"
-    )
+    model_dir = ensure_tiny_checkpoint(family, root, scale=scale)
+    checkpoint = describe_checkpoint(model_dir)
+    progress(f"{NAME}: {model_dir} ready after {time.perf_counter() - started:.1f}s: {checkpoint['shards']} shards, {checkpoint['bytes'] / 2**20:.1f} MiB")
     files = sorted(p for p in model_dir.iterdir() if p.is_file())
+    shards = [model_dir / shard for shard in checkpoint["shard_files"]]
+    log_dir = pathlib.Path(tempfile.mkdtemp(prefix="epd-bench-cold-start-"))
+    progress(f"{NAME}: service logs in {log_dir}")
 
-    with _Zygote(model_dir) as zygote:
-        progress(f"{NAME}: imports, excluded from the load seconds: " + ", ".join(f"{m} {s:.2f}s" for m, s in zygote.import_seconds.items()))
-        samples = {("warm", mode): [] for mode in MODES}
-        for _ in range(repeats):
+    samples: dict[tuple[str, str], list[dict[str, Any]]] = {(cache, mode): [] for cache in page_caches for mode in MODES}
+    cold_left_out = False
+    for repeat in range(repeats):
+        for cache in page_caches:
             for mode in MODES:
-                _make_warm(files)
-                samples["warm", mode].append(zygote.load(mode))
-        cold = _cold_samples(zygote, files, repeats)
-    samples |= cold
-
-    results = []
-    for (cache, mode), runs in samples.items():
-        seconds = [r["seconds"] for r in runs]
-        lazy = max(r["modules_imported"] for r in runs)
-        results.append(
-            {
-                "mode": mode,
-                "page_cache": cache,
-                "shards_read": runs[0]["shards_read"],
-                "bytes_read": runs[0]["bytes_read"],
-                "seconds": summarize(seconds),
-            }
-        )
-        progress(
-            f"{NAME}: {mode:<15} {cache}: median {results[-1]['seconds']['median'] * 1e3:.1f} ms, "
-            f"read {runs[0]['shards_read']}/{checkpoint['shards']} shards, {runs[0]['bytes_read'] / 2**20:.2f} MiB"
-            + (f" ({lazy} modules imported inside the timed load)" if lazy else "")
-        )
+                if cache == "cold":
+                    resident = _evict(files)
+                    if resident > COLD_MAX_RESIDENT:
+                        progress(f"{NAME}: cold page cache not achieved ({resident:.1%} of the checkpoint still resident after eviction); cold starts left out")
+                        cold_left_out = True
+                        continue
+                else:
+                    _make_warm(files)
+                start = start_service(mode, model_dir, log_dir / f"{mode}-{cache}-{repeat}.log")
+                if cache == "cold":
+                    start |= _read_from_disk(shards)
+                samples[cache, mode].append(start)
+                progress(
+                    f"{NAME}: {mode:<12} {cache}: ready in {start['seconds_to_ready']:.1f}s (listening {start['seconds_to_listening']:.1f}s), "
+                    f"model load {start['load_model_seconds']}s (vLLM: weights {start['weights_seconds']}s), read {start['shards_read']}/{start['shards_total']} shards"
+                )
+    results = [_summarize(cache, mode, runs) for (cache, mode), runs in samples.items() if runs]
+    measured_caches = sorted({r["page_cache"] for r in results}, key=PAGE_CACHES.index)
     payload = {
         "experiment": NAME,
-        "config": {"checkpoint": model_dir.name, "repeats": repeats, "page_cache": "both" if cold else "warm"},
-        "checkpoint": checkpoint,
+        "config": {
+            "checkpoint": model_dir.name,
+            "repeats": repeats,
+            "page_cache": "both" if measured_caches == list(PAGE_CACHES) else measured_caches[0],
+            "cold_left_out": cold_left_out,
+            "commands": {mode: shlex.join(["epd", *args, "--model", model_dir.name, "--port", "0"]) for mode, args in MODES.items()},
+        },
+        "checkpoint": {k: v for k, v in checkpoint.items() if k != "shard_files"},
         "results": results,
         "ratios": _ratios(results),
     }
@@ -136,55 +153,140 @@ def run(
     return path
 
 
-def _cold_samples(zygote: _Zygote, files: Sequence[pathlib.Path], repeats: int) -> dict[tuple[str, str], list[dict[str, Any]]]:
-    """Cold-cache runs, or nothing if the files cannot be evicted here (checked before each run)."""
-    samples: dict[tuple[str, str], list[dict[str, Any]]] = {("cold", mode): [] for mode in MODES}
-    for _ in range(repeats):
-        for mode in MODES:
-            resident = _evict(files)
-            if resident > COLD_MAX_RESIDENT:
-                progress(f"{NAME}: cold page cache not achieved ({resident:.1%} of the checkpoint still resident after eviction); cold runs left out")
-                return {}
-            samples["cold", mode].append(zygote.load(mode))
-    return samples
+def _summarize(cache: str, mode: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
+    def numbers(key: str) -> list[float]:
+        return [r[key] for r in runs if r.get(key) is not None]
+
+    result = {
+        "mode": mode,
+        "page_cache": cache,
+        "shards_read": runs[0]["shards_read"],
+        "shards_total": runs[0]["shards_total"],
+        "seconds_to_ready": summarize(numbers("seconds_to_ready")),
+        "seconds_to_listening": summarize(numbers("seconds_to_listening")),
+        "weights_seconds": summarize(numbers("weights_seconds")),
+        "load_model_seconds": summarize(numbers("load_model_seconds")),
+    }
+    if cache == "cold":
+        result["shards_read_from_disk"] = runs[0]["shards_read_from_disk"]
+        result["bytes_read_from_disk"] = runs[0]["bytes_read_from_disk"]
+    return result
 
 
 def _ratios(results: Sequence[dict[str, Any]]) -> dict[str, float | None]:
     by_key = {(r["page_cache"], r["mode"]): r for r in results}
 
-    def seconds_ratio(cache: str) -> float | None:
-        if (cache, "full_checkpoint") not in by_key:
+    def ratio(cache: str, key: str) -> float | None:
+        full, encoder = by_key.get((cache, "full_engine")), by_key.get((cache, "encoder_only"))
+        if full is None or encoder is None or not encoder[key]["median"]:
             return None
-        return by_key[cache, "full_checkpoint"]["seconds"]["median"] / by_key[cache, "encoder_only"]["seconds"]["median"]
+        return full[key]["median"] / encoder[key]["median"]
 
+    any_cache = next(iter(by_key))[0]
+    full, encoder = by_key[any_cache, "full_engine"], by_key[any_cache, "encoder_only"]
     return {
-        "seconds_full_over_encoder_warm": seconds_ratio("warm"),
-        "bytes_full_over_encoder": by_key["warm", "full_checkpoint"]["bytes_read"] / by_key["warm", "encoder_only"]["bytes_read"],
-        "seconds_full_over_encoder_cold": seconds_ratio("cold"),
+        "ready_full_over_encoder_warm": ratio("warm", "seconds_to_ready"),
+        "ready_full_over_encoder_cold": ratio("cold", "seconds_to_ready"),
+        "load_model_full_over_encoder_warm": ratio("warm", "load_model_seconds"),
+        "load_model_full_over_encoder_cold": ratio("cold", "load_model_seconds"),
+        "shards_full_over_encoder": full["shards_read"] / encoder["shards_read"] if encoder["shards_read"] else None,
     }
 
 
-def describe_checkpoint(model_dir: pathlib.Path, vision_prefixes: Sequence[str]) -> dict[str, int]:
-    """Shard count and tensor bytes (total, vision tower, language model) from the shard headers.
+def describe_checkpoint(model_dir: pathlib.Path) -> dict[str, Any]:
+    """Shard files, their count and tensor bytes (in all, and in the largest and smallest shard).
 
     Only the safetensors headers are read (an 8-byte little-endian length, then JSON with each
     tensor's byte range), so the tensor data's page-cache state is left alone.
     """
     weight_map: dict[str, str] = json.loads((model_dir / "model.safetensors.index.json").read_text())["weight_map"]
-    shards = sorted(set(weight_map.values()))
-    vision = language = 0
-    for shard in shards:
+    shard_files = sorted(set(weight_map.values()))
+    sizes = []
+    for shard in shard_files:
         with open(model_dir / shard, "rb") as f:
             header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        for name, entry in header.items():
-            if name == "__metadata__":
-                continue
-            begin, end = entry["data_offsets"]
-            if name.startswith(tuple(vision_prefixes)):
-                vision += end - begin
-            else:
-                language += end - begin
-    return {"shards": len(shards), "bytes": vision + language, "vision_bytes": vision, "language_bytes": language}
+        sizes.append(sum(e["data_offsets"][1] - e["data_offsets"][0] for name, e in header.items() if name != "__metadata__"))
+    return {"shards": len(shard_files), "bytes": sum(sizes), "smallest_shard_bytes": min(sizes), "largest_shard_bytes": max(sizes), "shard_files": shard_files}
+
+
+def _read_from_disk(shards: Sequence[pathlib.Path]) -> dict[str, int]:
+    """After a cold start: the shards with pages in the page cache now, and those pages' bytes."""
+    touched = nbytes = 0
+    for shard in shards:
+        fraction = resident_fraction([shard])
+        touched += fraction > 0
+        nbytes += round(fraction * shard.stat().st_size)
+    return {"shards_read_from_disk": touched, "bytes_read_from_disk": nbytes}
+
+
+# --- one service start ------------------------------------------------------------------------
+
+
+def start_service(mode: str, model_dir: pathlib.Path, log_path: pathlib.Path, timeout_s: float = START_TIMEOUT_S) -> dict[str, Any]:
+    """Starts ``epd <mode's args>`` on ``model_dir``, waits for it to be ready, stops it.
+
+    Returns:
+        seconds_to_listening, seconds_to_ready, weights_seconds and load_model_seconds (None
+        where vLLM did not say), shards_read and shards_total.
+
+    Raises:
+        RuntimeError: the service exited or was not ready within ``timeout_s``.
+    """
+    args = [*MODES[mode], "--model", str(model_dir), "--port", "0"]
+    lines: list[tuple[float, str]] = []
+    ready = threading.Event()
+    with open(log_path, "w") as log:
+        started = time.perf_counter()
+        process = subprocess.Popen([sys.executable, "-m", "epd.cli", *args], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
+
+        def read() -> None:
+            assert process.stdout is not None
+            for line in process.stdout:
+                lines.append((time.perf_counter() - started, line.rstrip("\n")))
+                if line.startswith("EPD_READY "):
+                    ready.set()
+            ready.set()  # the process ended
+
+        reader = threading.Thread(target=read, name=f"{mode}-stdout", daemon=True)
+        reader.start()
+        try:
+            if not ready.wait(timeout_s) or process.poll() is not None:
+                raise RuntimeError(f"{mode} was not ready within {timeout_s:g} s (exit code {process.poll()}); log {log_path}")
+        finally:
+            process.terminate()
+            try:
+                process.wait(30)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+            reader.join(10)
+    return parse_start(lines, log_path.read_text(errors="replace"))
+
+
+def parse_start(lines: Sequence[tuple[float, str]], stderr: str) -> dict[str, Any]:
+    """What one start's output says: (seconds since spawn, stdout line) pairs, and its stderr."""
+
+    def first(prefix: str) -> float:
+        for at, line in lines:
+            if line.startswith(prefix):
+                return at
+        raise RuntimeError(f"the service never printed {prefix!r}")
+
+    weights = next(((at, float(m.group(1))) for at, line in lines if (m := _WEIGHTS.search(line))), None)
+    load_started = next((at for at, line in lines if _LOAD_STARTS in line), None)
+    loaded = _SHARD_PROGRESS.findall(stderr)
+    shards_read, shards_total = (int(loaded[-1][0]), int(loaded[-1][1])) if loaded else (None, None)
+    encoder_load = next((m for _, line in lines if (m := _ENCODER_LOAD.match(line))), None)
+    if encoder_load is not None:
+        shards_read, shards_total = int(encoder_load.group(1)), int(encoder_load.group(2))
+    return {
+        "seconds_to_listening": first("EPD_LISTENING "),
+        "seconds_to_ready": first("EPD_READY "),
+        "weights_seconds": weights[1] if weights else None,
+        "load_model_seconds": weights[0] - load_started if weights and load_started is not None else None,
+        "shards_read": shards_read,
+        "shards_total": shards_total,
+    }
 
 
 # --- page cache ---------------------------------------------------------------------------
@@ -259,158 +361,16 @@ def _libc() -> ctypes.CDLL:
     return libc
 
 
-# --- the measuring processes ----------------------------------------------------------------
-
-
-class _Zygote:
-    """The parent's handle on the zygote: one JSON line per load in, one JSON reply out."""
-
-    def __init__(self, model_dir: pathlib.Path):
-        # -m with the repository as working directory, so `bench` imports whoever runs this.
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "bench.cold_start", "--zygote", str(model_dir)],
-            cwd=REPO_ROOT,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        self.import_seconds: dict[str, float] = self._receive()
-
-    def load(self, mode: str) -> dict[str, Any]:
-        """Runs one load in a freshly forked process: seconds, shards_read, bytes_read, modules_imported."""
-        assert self._process.stdin is not None
-        self._process.stdin.write(mode + "\n")
-        self._process.stdin.flush()
-        return self._receive()
-
-    def _receive(self) -> dict[str, Any]:
-        assert self._process.stdout is not None
-        line = self._process.stdout.readline()
-        if not line:
-            raise RuntimeError(f"{NAME} zygote exited with status {self._process.wait()} (its stderr is above)")
-        reply = json.loads(line)
-        if "error" in reply:
-            raise RuntimeError(f"{NAME} load failed:\n{reply['error']}")
-        return reply
-
-    def __enter__(self) -> _Zygote:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        assert self._process.stdin is not None
-        self._process.stdin.close()  # end of input: the zygote exits
-        try:
-            self._process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait()
-
-
-def _zygote_main(model_dir: pathlib.Path) -> None:
-    """Imports, reports the import seconds, then forks one child per requested load."""
-    protocol = os.fdopen(os.dup(sys.stdout.fileno()), "w")
-    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints must not corrupt the replies
-    _send(protocol, _import_load_paths(model_dir))
-    for line in sys.stdin:
-        sys.stdout.flush()
-        sys.stderr.flush()  # or the child would print the zygote's buffered output again
-        read_end, write_end = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(read_end)
-            status = 0
-            try:
-                reply = _measure(line.strip(), model_dir)
-            except BaseException:
-                reply, status = {"error": traceback.format_exc()}, 1
-            with os.fdopen(write_end, "w") as out:
-                json.dump(reply, out)
-            os._exit(status)
-        os.close(write_end)
-        with os.fdopen(read_end) as inp:
-            data = inp.read()
-        _, wait_status = os.waitpid(pid, 0)
-        _send(protocol, json.loads(data) if data else {"error": f"load process died (wait status {wait_status})"})
-
-
-def _import_load_paths(model_dir: pathlib.Path) -> dict[str, float]:
-    """Imports what both loads need; returns each mode's import seconds (cumulative: the
-    encoder needs everything the full read does, plus transformers and the model's modules).
-
-    Besides plain imports, transformers resolves the config and processor classes by name on
-    first use, importing further modules (for Qwen3-VL's video processor, dozens); building
-    the config and processors once here does that resolution. The tower and the weights are
-    left to the measured process, and so are torch operations: forking after torch has started
-    its OpenMP threads is not safe.
-    """
-    import importlib
-
-    started = time.perf_counter()
-    import safetensors.torch  # noqa: F401
-    import torch  # noqa: F401
-
-    import epd.weights  # noqa: F401
-
-    full = time.perf_counter() - started
-    from transformers import AutoConfig, AutoImageProcessor, AutoVideoProcessor
-
-    import epd.models.qwen_vl  # noqa: F401
-
-    config = AutoConfig.from_pretrained(model_dir)
-    importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
-    AutoImageProcessor.from_pretrained(model_dir)
-    if (model_dir / "video_preprocessor_config.json").exists():
-        AutoVideoProcessor.from_pretrained(model_dir)
-    return {"full_checkpoint": full, "encoder_only": time.perf_counter() - started}
-
-
-def _measure(mode: str, model_dir: pathlib.Path) -> dict[str, Any]:
-    """One timed load; ``modules_imported`` counts imports inside the timer (should be 0)."""
-    import torch
-
-    from epd.models.qwen_vl import VisionEncoder
-    from epd.weights import load_tensors
-
-    modules_before = len(sys.modules)
-    started = time.perf_counter()
-    if mode == "encoder_only":
-        encoder = VisionEncoder(model_dir)
-        report = encoder.load_report
-    elif mode == "full_checkpoint":
-        state, report = load_tensors(model_dir, ("",))  # every name starts with ""
-        # safetensors hands out tensors over its memory map, so nothing need be read until
-        # the bytes are touched. An engine copies every weight into its own parameters, as
-        # VisionEncoder's load_state_dict does with the tower's: the same copy is made here.
-        for name, tensor in state.items():
-            state[name] = torch.empty_like(tensor).copy_(tensor)
-    else:
-        raise ValueError(f"unknown mode {mode!r}")
-    seconds = time.perf_counter() - started
-    return {
-        "seconds": seconds,
-        "shards_read": report.shards_read,
-        "bytes_read": report.bytes_read,
-        "modules_imported": len(sys.modules) - modules_before,
-    }
-
-
-def _send(stream: Any, message: dict[str, Any]) -> None:
-    stream.write(json.dumps(message) + "\n")
-    stream.flush()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.cold_start", description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="tiny 3-shard checkpoint and 2 repeats: a smoke test in seconds")
-    parser.add_argument("--repeats", type=int, default=None, help=f"runs per mode and page-cache state (default {DEFAULT_REPEATS})")
+    parser.add_argument("--quick", action="store_true", help="tiny 3-shard checkpoint and 1 repeat: a smoke run")
+    parser.add_argument("--repeats", type=int, default=None, help=f"starts per mode and page-cache state (default {DEFAULT_REPEATS})")
+    parser.add_argument("--page-cache", choices=[*PAGE_CACHES, "both"], default="both")
     parser.add_argument("--results-dir", type=pathlib.Path, default=RESULTS_DIR)
-    parser.add_argument("--zygote", type=pathlib.Path, help=argparse.SUPPRESS)  # internal: the measuring process
     args = parser.parse_args(argv)
-    if args.zygote is not None:
-        _zygote_main(args.zygote)
-        return 0
     command = " ".join(shlex.quote(a) for a in [pathlib.Path(sys.executable).name, "-m", "bench.cold_start", *sys.argv[1:]])
-    print(run(quick=args.quick, repeats=args.repeats, results_dir=args.results_dir, command=command))
+    caches = PAGE_CACHES if args.page_cache == "both" else (args.page_cache,)
+    print(run(quick=args.quick, repeats=args.repeats, results_dir=args.results_dir, command=command, page_caches=caches))
     return 0
 
 

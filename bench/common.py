@@ -15,7 +15,11 @@ from collections.abc import Sequence
 from typing import Any
 
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
-SCHEMA_VERSION = 1
+# The experiments, in the order the suite runs them and the report shows them (bench.__main__
+# runs them, bench.report renders them; both import these names from here, never each other).
+SERVING_EXPERIMENTS = ("serving", "serving_video", "serving_audio", "serving_omni")
+EXPERIMENTS = ("handoff", "cold_start", "encoder_throughput", *SERVING_EXPERIMENTS)
+SCHEMA_VERSION = 2  # 2: the vLLM encoder and EC connector (handoff, cold_start and serving changed)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -62,9 +66,21 @@ def machine() -> dict[str, Any]:
     }
 
 
-def command_line() -> str:
-    """The command that reproduces this run."""
-    return " ".join(shlex.quote(a) for a in [pathlib.Path(sys.executable).name, "-m", "bench", *sys.argv[1:]])
+def command_line(only: str | None = None) -> str:
+    """The command that reproduces this run; with ``only``, just that experiment of it."""
+    args = sys.argv[1:]
+    if only is not None:
+        kept: list[str] = []
+        skip = False
+        for arg in args:
+            if skip:
+                skip = False
+            elif arg == "--only":
+                skip = True
+            elif not arg.startswith("--only="):
+                kept.append(arg)
+        args = ["--only", only, *kept]
+    return " ".join(shlex.quote(a) for a in [pathlib.Path(sys.executable).name, "-m", "bench", *args])
 
 
 def write_result(name: str, payload: dict[str, Any], *, command: str, results_dir: pathlib.Path = RESULTS_DIR) -> pathlib.Path:

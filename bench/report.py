@@ -6,14 +6,25 @@ from __future__ import annotations
 import json
 import pathlib
 
-from bench.common import RESULTS_DIR
+from bench.common import RESULTS_DIR, SCHEMA_VERSION, SERVING_EXPERIMENTS
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
+KIB, MIB = 1024, 1024 * 1024
 
 
 def _load(results_dir: pathlib.Path, name: str) -> dict | None:
+    """A result of the current schema, or None (missing or stale)."""
+    doc = _load_any(results_dir, name)
+    return doc if doc is not None and doc.get("schema_version") == SCHEMA_VERSION else None
+
+
+def _load_any(results_dir: pathlib.Path, name: str) -> dict | None:
     path = results_dir / f"{name}.json"
     return json.loads(path.read_text()) if path.exists() else None
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes // MIB} MiB" if nbytes >= MIB else f"{nbytes // KIB} KiB" if nbytes >= KIB else f"{nbytes} B"
 
 
 def _fmt(value: float, digits: int = 2) -> str:
@@ -35,8 +46,9 @@ _MEDIA = {
 def _serving(doc: dict) -> list[str]:
     cfg, summary, ratios = doc["config"], doc["summary"], doc["ratios"]
     w = cfg["workload"]
+    family = f", {cfg['family']}" if cfg.get("family") else ""
     lines = [
-        f"## Serving ({w['modality']}): metadata-only vs media forwarding, and topologies",
+        f"## Serving ({w['modality']}{family}): metadata-only vs media forwarding, and topologies",
         "",
         f"Command: `{doc['command']}`  ",
         f"Machine: {_machine(doc)}  ",
@@ -66,12 +78,19 @@ def _serving(doc: dict) -> list[str]:
         parts = ", ".join(f"{load}: throughput ×{_fmt(r['request_throughput'], 3)}, mean E2EL ×{_fmt(r['e2el_mean'], 3)}" for load, r in loads.items())
         lines.append(f"- {arm}: {parts}")
     end = doc["end_state"]
-    drained = end["arena_leases"] == 0 and all(e["kv_cache_usage"] == 0 and e["requests_running"] == 0 and e["requests_waiting"] == 0 for e in end["engines"].values())
+    encoder = end["encoder"]
     lines += [
         "",
-        f"End state ({'all back to zero' if drained else 'NOT back to zero'}): {end['arena_leases']:g} arena leases; engines (KV cache usage, requests running, waiting): "
+        f"End state ({'all back to zero' if end['drained'] else 'NOT back to zero'}): {end['arena_leases']:g} arena leases; "
+        "failed embedding loads: " + ", ".join(f"{name} {c['embedding_load_failures']:g}" for name, c in end["consumers"].items()) + "; "
+        "engines (KV cache usage, requests running, waiting): "
         + ", ".join(f"{name} {e['kv_cache_usage']:g}/{e['requests_running']:g}/{e['requests_waiting']:g}" for name, e in end["engines"].items())
         + ".  ",
+        "Embeddings loaded (MiB over NIXL / inline; items still held for vLLM's encoder cache): "
+        + ", ".join(
+            f"{name} {c['nixl_bytes_loaded'] / MIB:.1f} / {c['inline_bytes_loaded'] / MIB:.1f}; {c['receive_buffer_items']:g}" for name, c in end["consumers"].items()
+        )
+        + f".  \nEncoder: {encoder['items_encoded']:g} items in {encoder['engine_steps']:g} engine steps ({_fmt(encoder['mean_items_per_step'], 2)} items per step).  ",
         "Peak RSS (MiB, process tree): " + ", ".join(f"{name} {r['peak_rss_mib']:g}" for name, r in doc["resources"].items()) + ".",
         "",
     ]
@@ -97,28 +116,94 @@ def _ab_analysis(summary: dict, ab: dict) -> str:
 
 
 def _handoff(doc: dict) -> list[str]:
-    lines = ["## Embedding handoff", "", f"Command: `{doc['command']}`  ", f"Machine: {_machine(doc)}", "",
-             "| method | bytes | median µs | p99 µs | GB/s |", "| --- | --- | --- | --- | --- |"]
+    cfg = doc["config"]
+    lines = [
+        "## Embedding handoff: encoder arena to consumer encoder cache",
+        "",
+        f"Command: `{doc['command']}`  ",
+        f"Machine: {_machine(doc)}  ",
+        f"Per item, from the consumer's first call until the rows are usable as a tensor ({cfg['dtype']} rows; NIXL READs also move the "
+        f"{cfg['slot_header_bytes']}-byte slot header). ec_consumer: ConsumerScheduler as vLLM's scheduler drives it; nixl_reader: NixlReader alone; "
+        "raw_read: one NIXL READ through the agent; grpc_inline: the rows inline in an EncodeResponse, copied into a buffer; "
+        "memcpy: an in-process copy (memcpy_fresh: from a different region each time). UCX: " + f"{cfg['ucx_tls']}; torch threads {cfg['torch_threads']}.",
+        "",
+        "| method | size | median µs | p99 µs | GB/s | samples |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
     for r in doc["results"]:
-        lines.append(f"| {r['method']} | {r['bytes']} | {_fmt(r['latency_us']['median'], 1)} | {_fmt(r['latency_us']['p99'], 1)} | {_fmt(r['gb_per_s'], 3)} |")
-    lines += ["", "| batched | items x bytes | one transfer median µs | one per item median µs | speedup |", "| --- | --- | --- | --- | --- |"]
+        lines.append(f"| {r['method']} | {_size(r['bytes'])} | {_fmt(r['latency_us']['median'], 1)} | {_fmt(r['latency_us']['p99'], 1)} | {_fmt(r['gb_per_s'], 3)} | {r['latency_us']['count']} |")
+    lines += ["", "Goals:", ""]
+    lines += [f"- {g['goal']}: ×{_fmt(g['value'], 3)} ({'met' if g['met'] else 'NOT met'})" for g in doc["goals"]]
+    ratios = doc["ratios"]
+    for key, label in (
+        ("ec_consumer_over_memcpy", "ec_consumer throughput over memcpy's"),
+        ("ec_consumer_over_memcpy_fresh", "ec_consumer over memcpy_fresh"),
+        ("raw_read_over_memcpy", "raw_read over memcpy (what NIXL itself reaches)"),
+    ):
+        lines.append(f"- {label}: " + ", ".join(f"{_size(int(n))} ×{_fmt(v, 3)}" for n, v in ratios[key].items()))
+    lines.append(
+        "- Fixed cost over a raw READ (median µs, ec_consumer / nixl_reader): "
+        + ", ".join(f"{_size(int(n))} {_fmt(c['ec_consumer_minus_raw_read_us'], 1)} / {_fmt(c['nixl_reader_minus_raw_read_us'], 1)}" for n, c in doc["fixed_cost_us"].items())
+    )
+    lines += ["", "| batched | items x size | one transfer median µs | one per item median µs | speedup |", "| --- | --- | --- | --- | --- |"]
     for b in doc["batched"]:
-        lines.append(f"| {b['method']} | {b['items']} x {b['item_bytes']} | {_fmt(b['one_transfer_us']['median'], 1)} | {_fmt(b['per_item_transfers_us']['median'], 1)} | ×{_fmt(b['speedup'])} |")
-    ratios = ", ".join(f"{k} ×{_fmt(v, 3)}" for k, v in doc["ratios"].items())
+        lines.append(
+            f"| {b['method']} | {b['items']} x {_size(b['item_bytes'])} | {_fmt(b['one_transfer_us']['median'], 1)} | {_fmt(b['per_item_transfers_us']['median'], 1)} | ×{_fmt(b['speedup'])} |"
+        )
     first = ", ".join(f"{k} {_fmt(v, 1)} ms" for k, v in doc["first_contact_ms"].items())
-    skipped = "".join(f" Not measured: {s['method']} at {s['bytes']} bytes ({s['reason']})." for s in doc["config"].get("skipped", []))
-    return [*lines, "", f"Ratios ({doc['config']['ratio_definition']}): {ratios}. First contact (excluded above): {first}.{skipped}", ""]
+    skipped = "".join(f" Not measured: {s['method']} at {_size(s['bytes'])} ({s['reason']})." for s in cfg.get("skipped", []))
+    return [*lines, "", f"First contact (excluded above): {first}. Leases left at the end: {cfg['leases_left']}.{skipped}", ""]
 
 
 def _cold_start(doc: dict) -> list[str]:
-    c = doc["checkpoint"]
-    lines = ["## Encoder cold start", "", f"Command: `{doc['command']}`  ", f"Machine: {_machine(doc)}  ",
-             f"Checkpoint: `{doc['config']['checkpoint']}`, {c['shards']} shards, {c['bytes']} bytes ({c['vision_bytes']} vision, {c['language_bytes']} language).", "",
-             "| mode | page cache | shards read | bytes read | seconds median | seconds p99 |", "| --- | --- | --- | --- | --- | --- |"]
+    c, cfg = doc["checkpoint"], doc["config"]
+    commands = "; ".join(f"{mode}: `{command}`" for mode, command in cfg["commands"].items())
+    lines = [
+        "## Encoder cold start: vLLM encoder-only service vs a full engine, to ready",
+        "",
+        f"Command: `{doc['command']}`  ",
+        f"Machine: {_machine(doc)}  ",
+        f"Checkpoint: `{cfg['checkpoint']}`, {c['shards']} shards, {c['bytes'] / MIB:.1f} MiB of tensors. Services: {commands}. "
+        f"Medians over {cfg['repeats']} starts; seconds from spawning the process.",
+        "",
+        "| mode | page cache | shards read (its log) | read from disk (shards, MiB) | to ready s median | p99 | to listening s | model load s | vLLM weights s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for r in doc["results"]:
-        lines.append(f"| {r['mode']} | {r['page_cache']} | {r['shards_read']} | {r['bytes_read']} | {_fmt(r['seconds']['median'], 3)} | {_fmt(r['seconds']['p99'], 3)} |")
-    ratios = ", ".join(f"{k} ×{_fmt(v, 1)}" for k, v in doc["ratios"].items() if v is not None)
-    return [*lines, "", f"Ratios: {ratios}.", ""]
+        disk = f"{r['shards_read_from_disk']}, {r['bytes_read_from_disk'] / MIB:.1f}" if "shards_read_from_disk" in r else "n/a (warm)"
+        lines.append(
+            f"| {r['mode']} | {r['page_cache']} | {r['shards_read']} of {r['shards_total']} | {disk} | {_fmt(r['seconds_to_ready']['median'], 2)} "
+            f"| {_fmt(r['seconds_to_ready']['p99'], 2)} | {_fmt(r['seconds_to_listening']['median'], 2)} | {_fmt(r['load_model_seconds']['median'], 3)} "
+            f"| {_fmt(r['weights_seconds']['median'], 2)} |"
+        )
+    ratios = ", ".join(f"{k} ×{_fmt(v, 2)}" for k, v in doc["ratios"].items() if v is not None)
+    left_out = " Cold starts were left out: the checkpoint could not be evicted from the page cache." if cfg["cold_left_out"] else ""
+    return [*lines, "", f"Ratios (full engine over encoder-only): {ratios}.{left_out}", ""]
+
+
+def _encoder_throughput(doc: dict) -> list[str]:
+    cfg, results = doc["config"], doc["results"]
+    service, hf = results["vllm_service"], results["hf_tower"]
+    stages = ", ".join(f"{stage} {_fmt(seconds, 3)} s" for stage, seconds in hf["stage_seconds_median"].items())
+    return [
+        "## Encoder throughput: vLLM's tower (encoder service) vs the HF tower",
+        "",
+        f"Command: `{doc['command']}`  ",
+        f"Machine: {_machine(doc)}  ",
+        f"Checkpoint `{cfg['checkpoint']}`, {cfg['dtype']}; {cfg['num_items']} JPEGs of {cfg['image_edge_px'][0]}-{cfg['image_edge_px'][1]} px "
+        f"({min(cfg['embedding_rows'])}-{max(cfg['embedding_rows'])} embedding rows of {cfg['embedding_width']}); medians over {cfg['repeats']} passes.",
+        "",
+        "| encoder | items/s median | seconds per pass median | how |",
+        "| --- | --- | --- | --- |",
+        f"| vllm_service | {_fmt(service['items_per_s']['median'])} | {_fmt(service['seconds']['median'], 3)} | one Encode call per image over gRPC, all at once, "
+        f"leases released; {_fmt(service['mean_batch_items'], 1)} items per engine step, mean Encode call {_fmt(service['mean_encode_call_ms'], 1)} ms |",
+        f"| hf_tower | {_fmt(hf['items_per_s']['median'])} | {_fmt(hf['seconds']['median'], 3)} | in-process decode + HF processor + get_image_features, "
+        f"batches of {cfg['hf_batch_items']}, {hf['torch_threads']} torch threads; {stages} |",
+        "",
+        f"Ratio (vLLM service over HF tower, items/s): ×{_fmt(doc['ratios']['vllm_service_over_hf_tower'], 3)}. "
+        f"Arena leases at the end: {service['arena_leases_at_end']:g}.",
+        "",
+    ]
 
 
 def _plot_serving(doc: dict, path: pathlib.Path) -> None:
@@ -149,9 +234,9 @@ def _plot_cold_start(doc: dict, path: pathlib.Path) -> None:
 
     rows = doc["results"]
     fig, ax = plt.subplots(figsize=(6, 4))
-    ax.bar([f"{r['mode']}\n{r['page_cache']}" for r in rows], [r["seconds"]["median"] for r in rows])
-    ax.set_ylabel("seconds (median)")
-    ax.set_title("Encoder cold start: encoder-only vs full checkpoint")
+    ax.bar([f"{r['mode']}\n{r['page_cache']}" for r in rows], [r["seconds_to_ready"]["median"] for r in rows])
+    ax.set_ylabel("seconds to ready (median)")
+    ax.set_title("Cold start: vLLM encoder-only service vs full engine")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -166,7 +251,7 @@ def write_plots(results_dir: pathlib.Path = RESULTS_DIR) -> list[pathlib.Path]:
         print("[bench] matplotlib is not installed: no plots (pip install -e .[bench])")
         return []
     written = []
-    for name, plot in (("serving", _plot_serving), ("serving_video", _plot_serving), ("serving_audio", _plot_serving), ("cold_start", _plot_cold_start)):
+    for name, plot in [*((name, _plot_serving) for name in SERVING_EXPERIMENTS), ("cold_start", _plot_cold_start)]:
         doc = _load(results_dir, name)
         if doc:
             plot(doc, results_dir / f"{name}.png")
@@ -174,8 +259,15 @@ def write_plots(results_dir: pathlib.Path = RESULTS_DIR) -> list[pathlib.Path]:
     return written
 
 
+SECTIONS = {  # in bench.common.EXPERIMENTS order
+    "handoff": _handoff,
+    "cold_start": _cold_start,
+    "encoder_throughput": _encoder_throughput,
+    **{name: _serving for name in SERVING_EXPERIMENTS},
+}
+
+
 def write_report(results_dir: pathlib.Path = RESULTS_DIR, out: pathlib.Path = REPO / "BENCHMARKS.md") -> pathlib.Path:
-    sections = {"serving": _serving, "serving_video": _serving, "serving_audio": _serving, "handoff": _handoff, "cold_start": _cold_start}
     lines = [
         "# Benchmarks",
         "",
@@ -184,8 +276,16 @@ def write_report(results_dir: pathlib.Path = RESULTS_DIR, out: pathlib.Path = RE
         "side by side in one run), not absolute times across sections or runs.",
         "",
     ]
-    for name, render in sections.items():
+    for name, render in SECTIONS.items():
         doc = _load(results_dir, name)
-        lines += render(doc) if doc else [f"## {name}", "", f"Not run: no `{name}.json` in {results_dir}.", ""]
+        if doc is not None:
+            try:
+                lines += render(doc)
+            except (KeyError, TypeError, ValueError) as exc:  # one odd file must not sink the others
+                lines += [f"## {name}", "", f"Unreadable: `{name}.json` lacks what this report needs ({exc!r}); rerun `python -m bench --only {name}`.", ""]
+        elif (stale := _load_any(results_dir, name)) is not None:
+            lines += [f"## {name}", "", f"Stale: `{name}.json` has schema v{stale.get('schema_version')}, not v{SCHEMA_VERSION}; rerun `python -m bench --only {name}`.", ""]
+        else:
+            lines += [f"## {name}", "", f"Not run: no `{name}.json` in {results_dir}; run `python -m bench --only {name}`.", ""]
     out.write_text("\n".join(lines))
     return out

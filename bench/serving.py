@@ -5,11 +5,23 @@
   the layout; embeddings still come over NIXL). Same services, same requests, same arrivals.
 - **Topologies:** monolithic vs E+PD vs E/P/D at the same offered load.
 - **Gateway overhead:** client-observed E2EL minus the gateway's timed stage calls.
-- **Resources:** peak RSS per service (process tree), and arena leases and engine requests left
-  in flight at the end (both must be zero).
+- **Resources:** peak RSS per service (process tree).
+- **End state:** what must be back to zero once the load is gone: the encoder's arena leases
+  (``epd_arena_leases``), every engine's KV cache usage and requests, and the embedding loads that
+  failed during the run (``epd_embedding_load_failures``); alongside, during the run, the
+  embedding bytes each consumer loaded per transport (``epd_embedding_bytes_loaded``) and how many
+  items the encoder's engine encoded per step (``epd_encoder_batch_items`` / ``epd_encoder_batches``),
+  and at the end the items each receive buffer still holds for vLLM's encoder cache
+  (``epd_receive_buffer_items``; not a leak: they go when the encoder cache evicts them).
 
-Engines run with prefix caching and the multimodal processor cache off, so no arm profits from
-another's warm cache; arms alternate order across repeats so drift hits all of them alike.
+Experiments (one stack each): ``serving`` (images, Qwen2.5-VL), ``serving_video`` (video,
+Qwen3-VL), ``serving_audio`` (audio, Qwen2-Audio) and ``serving_omni`` (audio clips into a
+Qwen2.5-Omni thinker), all on the project's tiny checkpoints unless ``--model`` says otherwise.
+
+Engines run with prefix caching and the multimodal processor cache off, and every pass sends the
+media under new bytes (same pixels and samples, new content hashes), so no arm profits from
+another's warm cache (vLLM's encoder cache, keyed by content hash, outlives requests); arms
+alternate order across repeats so drift hits all of them alike.
 """
 
 from __future__ import annotations
@@ -19,9 +31,10 @@ import dataclasses
 import math
 import pathlib
 import statistics
+import time
 
 from bench.common import RESULTS_DIR, command_line, progress, write_result
-from bench.workload import STAGES, WorkloadSpec, build_requests, run_load
+from bench.workload import STAGES, WorkloadSpec, build_requests, run_load, salted
 from epd.launcher import ServiceProcess, Stack, gateway_args, start_monolithic
 from epd.telemetry import scrape
 
@@ -37,6 +50,7 @@ class ServingConfig:
     workload: WorkloadSpec
     caches: str  # "off" (engines started with --no-caches) or "on"
     max_concurrency: int | None = None
+    family: str | None = None  # the tiny checkpoint's family, when the model is one
 
 
 def _start(stack: Stack, model: str) -> dict[str, ServiceProcess]:
@@ -86,33 +100,97 @@ def _median_of(runs: list[dict], *path: str) -> float:
 
 def measure(gateways: dict[str, str], requests: list, *, rate: float, repeats: int, max_concurrency: int | None = None) -> dict[str, dict[str, list[dict]]]:
     """Runs the request set through every arm's gateway: a Poisson run and a saturation run per
-    repeat, arms in rotating order. ``gateways`` maps each of :data:`ARMS` to an address."""
+    repeat, arms in rotating order. ``gateways`` maps each of :data:`ARMS` to an address. Every
+    pass sends its own :func:`~bench.workload.salted` copy (same media, new content hashes), so
+    no engine's encoder cache serves one pass from another's items."""
     for arm in ARMS:  # warm-up: first contact, lazy imports, NIXL metadata exchange
-        asyncio.run(run_load(gateways[arm], requests[:1], float("inf"), seed=0))
+        asyncio.run(run_load(gateways[arm], salted(requests[:1], f"warm-up {arm}"), float("inf"), seed=0))
     runs: dict[str, dict[str, list[dict]]] = {arm: {"poisson": [], "saturation": []} for arm in ARMS}
     for repeat in range(repeats):
         order = ARMS[repeat % len(ARMS) :] + ARMS[: repeat % len(ARMS)]
         for load, load_rate in (("poisson", rate), ("saturation", float("inf"))):
             for arm in order:
                 progress(f"serving: repeat {repeat + 1}/{repeats} {load} {arm}")
-                result = asyncio.run(run_load(gateways[arm], requests, load_rate, seed=repeat, max_concurrency=max_concurrency))
+                batch = salted(requests, f"{repeat} {load} {arm}")
+                result = asyncio.run(run_load(gateways[arm], batch, load_rate, seed=repeat, max_concurrency=max_concurrency))
                 if result["failed"]:
                     raise RuntimeError(f"{arm} {load}: {result['failed']} requests failed: {result['errors']}")
                 runs[arm][load].append(result)
     return runs
 
 
-def end_state(services: dict[str, ServiceProcess]) -> dict:
-    """What must be back to zero after a run: arena leases, and KV and requests per engine."""
-    state = {"arena_leases": scrape(services["encoder"].metrics_port).get("epd_arena_leases", 0.0), "engines": {}}
-    for name in ("prefill", "decode", "combined", "gateway-monolithic"):
+CONSUMERS = ("prefill", "combined")  # the engines that load embeddings (EC consumers)
+ENGINES = ("prefill", "decode", "combined", "gateway-monolithic")
+_DRAIN_S = 10.0  # leases end by asynchronous notifications; give them this long
+
+
+def counters(services: dict[str, ServiceProcess], modality: str = "image") -> dict[str, float]:
+    """The cumulative counters ``end_state`` reports as differences: take them before a run."""
+    encoder = scrape(services["encoder"].metrics_port)
+    values = {
+        "encoder.items": encoder.get(f"epd_encoder_items_total{{modality={modality}}}", 0.0),
+        "encoder.steps": encoder.get(f"epd_encoder_batches{{modality={modality}}}", 0.0),
+        "encoder.batch_items": encoder.get(f"epd_encoder_batch_items{{modality={modality}}}", 0.0),
+    }
+    for name in CONSUMERS:
+        metrics = scrape(services[name].metrics_port)
+        values[f"{name}.failures"] = metrics.get("epd_embedding_load_failures", float("nan"))
+        values[f"{name}.nixl"] = metrics.get("epd_embedding_bytes_loaded{transport=nixl}", 0.0)
+        values[f"{name}.inline"] = metrics.get("epd_embedding_bytes_loaded{transport=inline}", 0.0)
+    return values
+
+
+def end_state(services: dict[str, ServiceProcess], modality: str = "image", since: dict[str, float] | None = None) -> dict:
+    """What must be back to zero after a run (arena leases, KV and requests per engine, and no
+    embedding load failed), plus what the encoder and the consumers did since ``since`` (a
+    :func:`counters` snapshot; since the services started if None). Leases end and KV is freed
+    by asynchronous notifications, so this waits up to ``_DRAIN_S`` for everything to drain."""
+    deadline = time.monotonic() + _DRAIN_S
+    while not (state := _state(services, modality, since))["drained"] and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return state
+
+
+def _state(services: dict[str, ServiceProcess], modality: str, since: dict[str, float] | None) -> dict:
+    leases = scrape(services["encoder"].metrics_port).get("epd_arena_leases", float("nan"))
+    now = counters(services, modality)
+    delta = {key: value - (since or {}).get(key, 0.0) for key, value in now.items()}
+    state: dict = {
+        "arena_leases": leases,
+        "encoder": {
+            "items_encoded": delta["encoder.items"],
+            "engine_steps": delta["encoder.steps"],
+            "mean_items_per_step": delta["encoder.batch_items"] / delta["encoder.steps"] if delta["encoder.steps"] else float("nan"),
+        },
+        "consumers": {},
+        "engines": {},
+    }
+    for name in CONSUMERS:
+        state["consumers"][name] = {
+            "embedding_load_failures": delta[f"{name}.failures"],
+            "nixl_bytes_loaded": delta[f"{name}.nixl"],
+            "inline_bytes_loaded": delta[f"{name}.inline"],
+            "receive_buffer_items": scrape(services[name].metrics_port).get("epd_receive_buffer_items", float("nan")),
+        }
+    for name in ENGINES:
         metrics = scrape(services[name].metrics_port)
         state["engines"][name] = {
             "kv_cache_usage": metrics.get("vllm:kv_cache_usage_perc", float("nan")),
             "requests_running": metrics.get("vllm:num_requests_running", float("nan")),
             "requests_waiting": metrics.get("vllm:num_requests_waiting", float("nan")),
         }
+    state["drained"] = drained(state)
     return state
+
+
+def drained(state: dict) -> bool:
+    """Whether everything that must be back to zero is (receive buffers need not be: their items
+    stay as long as vLLM's encoder cache keeps them)."""
+    return (
+        state["arena_leases"] == 0
+        and all(c["embedding_load_failures"] == 0 for c in state["consumers"].values())
+        and all(e["kv_cache_usage"] == 0 and e["requests_running"] == 0 and e["requests_waiting"] == 0 for e in state["engines"].values())
+    )
 
 
 def build_payload(runs: dict[str, dict[str, list[dict]]], config: ServingConfig, state: dict, resources: dict) -> dict:
@@ -158,7 +236,16 @@ def build_payload(runs: dict[str, dict[str, list[dict]]], config: ServingConfig,
     }
     return {
         "experiment": "serving",
-        "config": {"model": config.model, "rate": config.rate, "repeats": config.repeats, "workload": dataclasses.asdict(config.workload), "arms": list(ARMS), "caches": config.caches, "max_concurrency": config.max_concurrency},
+        "config": {
+            "model": config.model,
+            "family": config.family,
+            "rate": config.rate,
+            "repeats": config.repeats,
+            "workload": dataclasses.asdict(config.workload),
+            "arms": list(ARMS),
+            "caches": config.caches,
+            "max_concurrency": config.max_concurrency,
+        },
         "summary": summary,
         "ratios": ratios,
         "outputs_identical_to_monolithic": identical,
@@ -168,22 +255,24 @@ def build_payload(runs: dict[str, dict[str, list[dict]]], config: ServingConfig,
     }
 
 
-# Per modality: the tiny checkpoint that serves it, and a full run's request set.
-DEFAULT_FAMILY = {"image": "qwen2_5_vl", "video": "qwen3_vl", "audio": "qwen2_audio"}
-DEFAULT_WORKLOAD = {
-    "image": WorkloadSpec("image", num_requests=16, items_per_request=(2, 4)),
-    "video": WorkloadSpec("video", num_requests=8, items_per_request=(1, 2)),
-    "audio": WorkloadSpec("audio", num_requests=8, items_per_request=(1, 3)),
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+    family: str  # the tiny checkpoint that serves it by default
+    workload: WorkloadSpec  # a full run's request set
+
+
+EXPERIMENTS = {  # bench.common.SERVING_EXPERIMENTS
+    "serving": Experiment("qwen2_5_vl", WorkloadSpec("image", num_requests=16, items_per_request=(2, 4))),
+    "serving_video": Experiment("qwen3_vl", WorkloadSpec("video", num_requests=8, items_per_request=(1, 2))),
+    "serving_audio": Experiment("qwen2_audio", WorkloadSpec("audio", num_requests=8, items_per_request=(1, 3))),
+    # The Omni thinker gets the audio workload's clips (its EC path is declared for audio).
+    "serving_omni": Experiment("qwen2_5_omni", WorkloadSpec("audio", num_requests=8, items_per_request=(1, 3))),
 }
-
-
-def result_name(modality: str) -> str:
-    return "serving" if modality == "image" else f"serving_{modality}"
 
 
 def run(
     *,
-    modality: str = "image",
+    experiment: str = "serving",
     quick: bool = False,
     model: str | None = None,
     rate: float | None = None,
@@ -194,37 +283,39 @@ def run(
     results_dir: pathlib.Path = RESULTS_DIR,
     command: str | None = None,
 ) -> pathlib.Path:
-    """``duration_s`` (if given) sizes the request set to that many seconds of arrivals."""
+    """Runs one of :data:`EXPERIMENTS`; writes ``<experiment>.json``.
+
+    ``duration_s`` (if given) sizes the request set to that many seconds of arrivals; ``model``
+    replaces the experiment's tiny checkpoint.
+    """
     from epd.checkpoints import ensure_tiny_checkpoint
 
-    model = model or str(ensure_tiny_checkpoint(DEFAULT_FAMILY[modality], pathlib.Path("checkpoints")))
+    spec = EXPERIMENTS[experiment]
+    family = None if model else spec.family
+    model = model or str(ensure_tiny_checkpoint(spec.family, pathlib.Path("checkpoints")))
     rate = rate or (4.0 if quick else 2.0)
     if duration_s:
         num_requests = max(1, math.ceil(rate * duration_s))
-    workload = DEFAULT_WORKLOAD[modality]
+    workload = spec.workload
     if quick:
         workload = dataclasses.replace(workload, num_requests=3, items_per_request=(1, 2))
     workload = dataclasses.replace(workload, num_requests=num_requests or workload.num_requests)
-    config = ServingConfig(model=model, rate=rate, repeats=repeats or (1 if quick else 3), workload=workload, caches="off", max_concurrency=max_concurrency)
-    name = result_name(modality)
-    progress(f"{name}: building {workload.num_requests} {modality} requests (seed {workload.seed})")
+    config = ServingConfig(
+        model=model, rate=rate, repeats=repeats or (1 if quick else 3), workload=workload, caches="off", max_concurrency=max_concurrency, family=family
+    )
+    progress(f"{experiment}: building {workload.num_requests} {workload.modality} requests (seed {workload.seed})")
     requests = build_requests(workload)
     stack = Stack()
-    progress(f"{name}: starting the stack (logs in {stack.log_dir})")
+    progress(f"{experiment}: starting the stack for {model} (logs in {stack.log_dir})")
     try:
         services = _start(stack, model)
         gateways = {arm: services[f"gateway-{arm}"].address for arm in ARMS}
+        before = counters(services, workload.modality)
         runs = measure(gateways, requests, rate=config.rate, repeats=config.repeats, max_concurrency=config.max_concurrency)
-        state = end_state(services)
+        state = end_state(services, workload.modality, since=before)
         resources = {name: {"peak_rss_mib": round(peak_rss_mib(service), 1)} for name, service in services.items()}
     finally:
         stack.stop()
-    return write_result(name, build_payload(runs, config, state, resources), command=command or command_line(), results_dir=results_dir)
-
-
-if __name__ == "__main__":
-    import sys
-
-    from bench.__main__ import main
-
-    raise SystemExit(main(["--only", "serving", *sys.argv[1:]]))
+    if not state["drained"]:
+        progress(f"{experiment}: NOT back to zero at the end: {state}")
+    return write_result(experiment, build_payload(runs, config, state, resources), command=command or command_line(), results_dir=results_dir)

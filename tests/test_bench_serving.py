@@ -1,13 +1,17 @@
-"""A seconds-long smoke run of the serving benchmark on the shared stack: every arm answers,
-the result has the schema BENCHMARKS.md is built from, and the report renders it."""
+"""A seconds-long smoke run of the serving benchmark on the shared stacks (images on Qwen2.5-VL,
+and the Omni thinker's audio workload): every arm answers with monolithic's tokens, the end state
+(read with the EC connector's metrics) is back to zero, the result has the schema BENCHMARKS.md
+is built from, and the report renders it."""
 
 from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench.common import write_result
 from bench.report import write_report
-from bench.serving import ARMS, LOADS, ServingConfig, build_payload, end_state, measure, peak_rss_mib
+from bench.serving import ARMS, EXPERIMENTS, LOADS, ServingConfig, build_payload, counters, end_state, measure, peak_rss_mib
 from bench.workload import STAGES, WorkloadSpec, build_requests
 from epd.launcher import gateway_args
 
@@ -25,21 +29,31 @@ SUMMARY_KEYS = {
 }
 
 
-async def test_serving_smoke_run_has_the_report_schema(family_stack, tmp_path):
+SMOKE_WORKLOADS = {
+    "qwen2_5_vl": ("serving", WorkloadSpec("image", num_requests=2, items_per_request=(1, 1), image_edge_px=(448, 560), max_tokens=4)),
+    "qwen2_5_omni": ("serving_omni", WorkloadSpec("audio", num_requests=2, items_per_request=(1, 1), clip_seconds=(1.0, 1.5), max_tokens=4)),
+}
+
+
+@pytest.mark.parametrize("family", list(SMOKE_WORKLOADS))
+async def test_serving_smoke_run_has_the_report_schema(family_stack, family, tmp_path):
     import asyncio
 
     s = family_stack
-    workload = WorkloadSpec("image", num_requests=2, items_per_request=(1, 1), image_edge_px=(448, 560), max_tokens=4)
-    config = ServingConfig(model=s.model, rate=50.0, repeats=1, workload=workload, caches="on")
+    name, workload = SMOKE_WORKLOADS[family]
+    assert EXPERIMENTS[name].family == family and EXPERIMENTS[name].workload.modality == workload.modality
+    config = ServingConfig(model=s.model, rate=50.0, repeats=1, workload=workload, caches="on", family=family)
     forward = gateway_args(s.model, "epd", encoders=[s.encoder.address], prefills=[s.prefill.address], decodes=[s.decode.address], extra=["--forward-media"])
+    services = {"encoder": s.encoder, "prefill": s.prefill, "decode": s.decode, "combined": s.combined, "gateway-monolithic": s.gateways["monolithic"]}
+    before = await asyncio.to_thread(counters, services, workload.modality)  # the stack is shared with other tests
     with s.stack.temporary("gateway-bench-forward-media", forward) as forward_gateway:
         gateways = {"monolithic": s.gateways["monolithic"].address, "epd-combined": s.gateways["epd-combined"].address, "epd": s.gateways["epd"].address}
         gateways["epd-forward-media"] = forward_gateway.address
         # measure() drives its own event loops; keep them off the test's loop.
         runs = await asyncio.to_thread(measure, gateways, build_requests(workload), rate=config.rate, repeats=config.repeats)
-    services = {"encoder": s.encoder, "prefill": s.prefill, "decode": s.decode, "combined": s.combined, "gateway-monolithic": s.gateways["monolithic"]}
-    payload = build_payload(runs, config, end_state(services), {name: {"peak_rss_mib": peak_rss_mib(p)} for name, p in services.items()})
-    path = write_result("serving", payload, command="pytest smoke", results_dir=tmp_path)
+    state = await asyncio.to_thread(end_state, services, workload.modality, before)
+    payload = build_payload(runs, config, state, {name: {"peak_rss_mib": peak_rss_mib(p)} for name, p in services.items()})
+    path = write_result(name, payload, command="pytest smoke", results_dir=tmp_path)
 
     doc = json.loads(path.read_text())
     assert {"schema_version", "name", "command", "machine", "experiment", "config", "summary", "ratios", "outputs_identical_to_monolithic", "end_state", "resources", "runs"} <= doc.keys()
@@ -53,8 +67,50 @@ async def test_serving_smoke_run_has_the_report_schema(family_stack, tmp_path):
             assert only_run["completed"] == workload.num_requests and only_run["failed"] == 0
     assert doc["summary"]["epd"]["poisson"]["stage_ms_median"]["prefill"] > 0
     assert doc["ratios"]["metadata_only_over_media_forwarding"]["saturation"]["request_throughput"] > 0
-    assert doc["end_state"]["arena_leases"] == 0
-    assert all(e["requests_running"] == 0 and e["kv_cache_usage"] >= 0 for e in doc["end_state"]["engines"].values())
+
+    end = doc["end_state"]
+    assert end["drained"] and end["arena_leases"] == 0
+    assert all(e["requests_running"] == 0 and e["kv_cache_usage"] >= 0 for e in end["engines"].values())
+    assert set(end["consumers"]) == {"prefill", "combined"}
+    for consumer in end["consumers"].values():
+        # Every embedding came over NIXL (the default transport) and none failed to load.
+        assert consumer["embedding_load_failures"] == 0 and consumer["nixl_bytes_loaded"] > 0
+    assert end["encoder"]["items_encoded"] > 0 and end["encoder"]["mean_items_per_step"] >= 1
 
     report = write_report(tmp_path, out=tmp_path / "BENCHMARKS.md").read_text()
-    assert "## Serving (image)" in report and "Command: `pytest smoke`" in report and "| epd-forward-media | saturation |" in report
+    heading = f"## Serving ({workload.modality}, {family})"
+    assert heading in report and "Command: `pytest smoke`" in report and "| epd-forward-media | saturation |" in report
+    assert "End state (all back to zero)" in report
+
+
+@pytest.mark.parametrize("modality", ["image", "video", "audio"])
+def test_salted_media_decode_to_the_same_content_under_a_new_hash(modality):
+    """Each pass's copy of the workload: new bytes (and so new content hashes, which key vLLM's
+    encoder cache), but the very same pixels, frames and samples."""
+    import numpy as np
+
+    from bench.workload import salted
+    from epd import wire
+    from epd.domain import VideoSampling
+    from epd.media import MediaLimits
+    from epd.media.audio import decode_audio_file
+    from epd.media.image import decode_image
+    from epd.media.video import SamplingDefaults, decode_video_file
+
+    spec = WorkloadSpec(modality, num_requests=1, items_per_request=(2, 2), image_edge_px=(448, 476), video_edge_px=(224, 224), clip_seconds=(1.0, 1.0))
+    (original,) = build_requests(spec)
+    (copy,) = salted([original], "pass 1")
+    (other,) = salted([original], "pass 2")
+    items = [wire.generate_request_from_wire(request).media for request in (original, copy, other)]
+    assert len({item.content_hash for media in items for item in media}) == 6  # every item, every pass: a hash of its own
+
+    def decoded(item):
+        data = item.source.data
+        if modality == "image":
+            return np.asarray(decode_image(data, max_pixels=MediaLimits().max_image_pixels))
+        if modality == "audio":
+            return decode_audio_file(data, item.source.mime_type, 16000).samples
+        return decode_video_file(data, VideoSampling(), SamplingDefaults(), MediaLimits()).frames
+
+    for first, second in zip(items[0], items[1], strict=True):
+        assert np.array_equal(decoded(first), decoded(second))

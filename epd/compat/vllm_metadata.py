@@ -7,11 +7,12 @@ media. On an EC or KV consumer the media is gone, and vLLM's data parsers declar
 ``video_grid_thw`` as the video's placeholder metadata, so the producer never publishes the
 value and the consumer falls back to 1.0 s. Tokens then differ from a monolithic run for any
 video whose sampled rate is not exactly half its patch size (most clips). Both models also parse
-metadata-only video with Qwen2-VL's field factory, which drops the field altogether.
+metadata-only video with Qwen2-VL's parsing, which drops the field altogether.
 
 This module declares the field as metadata on both parsers, as vLLM does for Qwen3-VL's
-``timestamps``, so that an encoder publishes it and consumers require and keep it. Nothing else
-in EPD names a model. Remove it once vLLM declares the field itself.
+``timestamps``, and keeps it in their metadata-only video items, so that an encoder publishes it
+and consumers require and keep it. Nothing else in EPD names a model. Remove it once vLLM
+declares the field itself.
 
 It must run in every process where vLLM parses multimodal inputs or publishes their metadata:
 our services call :func:`install` before they build an engine, and the EC connector module (which
@@ -27,23 +28,33 @@ _FIELD = "second_per_grid_ts"
 
 @functools.cache
 def install() -> None:
-    from vllm.model_executor.models import qwen2_5_omni_thinker, qwen2_5_vl, qwen2_vl
+    from vllm.model_executor.models import qwen2_5_omni_thinker, qwen2_5_vl
+    from vllm.model_executor.models.qwen2_vl import Qwen2VLMultiModalDataParser, _create_qwen2vl_field_factory
     from vllm.multimodal.inputs import MultiModalFieldConfig
+    from vllm.multimodal.parse import DictEmbeddingItems
 
-    # Both models parse metadata-only video through Qwen2-VL's field factory, which drops the
-    # field; give it a place there (unused where nothing supplies it).
-    base_factory = qwen2_vl._create_qwen2vl_field_factory
+    def parse_video_data(self, data):
+        """Qwen2-VL's parsing, with a place for the field in metadata-only items."""
+        if not isinstance(data, dict):
+            return Qwen2VLMultiModalDataParser._parse_video_data(self, data)
+        fields_of = _create_qwen2vl_field_factory(self._spatial_merge_size)
+        required, optional = self.embedding_field_sets("video")
+        return DictEmbeddingItems(
+            data,
+            modality="video",
+            required_fields=required,
+            optional_fields=optional,
+            fields_factory=lambda hf_inputs: {**fields_of(hf_inputs), _FIELD: MultiModalFieldConfig.batched("video", keep_on_cpu=True)},
+        )
 
-    def field_factory(spatial_merge_size: int):
-        fields_of = base_factory(spatial_merge_size)
-        return lambda hf_inputs: {**fields_of(hf_inputs), _FIELD: MultiModalFieldConfig.batched("video", keep_on_cpu=True)}
+    def declaring(parser: type) -> dict:
+        return {**parser.embedding_fields, "video": {**parser.embedding_fields["video"], _FIELD: "metadata"}}
 
-    qwen2_vl._create_qwen2vl_field_factory = field_factory
-
-    # Qwen2.5-VL shares Qwen2-VL's parser: declare the field on a parser of its own.
-    parser = qwen2_vl.Qwen2VLMultiModalDataParser
+    # Qwen2.5-VL shares Qwen2-VL's parser: it gets one of its own.
     qwen2_5_vl_parser = type(
-        "Qwen2_5_VLDataParser", (parser,), {"embedding_fields": {**parser.embedding_fields, "video": {**parser.embedding_fields["video"], _FIELD: "metadata"}}}
+        "Qwen2_5_VLDataParser",
+        (Qwen2VLMultiModalDataParser,),
+        {"embedding_fields": declaring(Qwen2VLMultiModalDataParser), "_parse_video_data": parse_video_data},
     )
 
     def get_data_parser(self):
@@ -56,4 +67,5 @@ def install() -> None:
 
     qwen2_5_vl.Qwen2_5_VLProcessingInfo.get_data_parser = get_data_parser
     omni_parser = qwen2_5_omni_thinker.Qwen2_5OmniThinkerMultiModalDataParser
-    omni_parser.embedding_fields = {**omni_parser.embedding_fields, "video": {**omni_parser.embedding_fields["video"], _FIELD: "metadata"}}
+    omni_parser.embedding_fields = declaring(omni_parser)
+    omni_parser._parse_video_data = parse_video_data

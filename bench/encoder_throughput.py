@@ -1,0 +1,273 @@
+"""Encoder throughput: vLLM's tower behind the encoder service against the HF tower the old
+encoder ran, on the same images.
+
+- ``vllm_service``: the encoder service (``epd encoder``: vLLM's encoder-only engine, an EC
+  producer, fp32) on the tiny Qwen2.5-VL checkpoint. Every image is one ``Encode`` call over gRPC,
+  all sent at once (saturation); each call's arena leases are given back (``ReleaseEmbeddings``)
+  as soon as it returns, as a consumer's READ would end them. Items per second count from the
+  first send to the last response. The service decodes the JPEG, runs vLLM's processor and tower
+  (batched across concurrent calls by vLLM's scheduler) and publishes the rows in its arena. Each
+  repeat gives the images fresh content hashes, so vLLM's encoder cache cannot serve a repeat.
+- ``hf_tower``: what the encoder ran before the vLLM engine, in this process: the project's
+  decoder on the same bytes, the checkpoint's HF image processor, then transformers'
+  ``Qwen2_5_VLForConditionalGeneration.model.get_image_features(pixel_values, image_grid_thw)``,
+  in batches of up to 16 images (the old encoder's ``max_batch_items``), fp32. Items per second
+  count decode, processor and tower (no gRPC, no publishing); their split is reported too.
+
+Both must agree on every item's embedding shape (rows x width), so they did the same work.
+
+Run ``python -m bench.encoder_throughput [--quick] [--repeats N] [--num-items N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import pathlib
+import random
+import shlex
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from bench.common import RESULTS_DIR, command_line, progress, summarize, write_result
+
+NAME = "encoder_throughput"
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
+DEFAULT_CHECKPOINT_ROOT = REPO_ROOT / "checkpoints"
+FAMILY = "qwen2_5_vl"
+HF_BATCH_ITEMS = 16  # the old encoder's max_batch_items
+FULL_ITEMS, QUICK_ITEMS = 64, 12
+FULL_REPEATS, QUICK_REPEATS = 3, 1
+IMAGE_EDGE_PX = (448, 896)  # inclusive, multiples of 28 (the tower's patch 14 x merge 2)
+SEED = 0
+_CALL_TIMEOUT_S = 300.0
+_LEASES_DRAIN_S = 10.0
+
+
+def build_images(count: int, seed: int = SEED) -> list[bytes]:
+    """Seeded JPEGs of ``IMAGE_EDGE_PX`` on each side (the serving workload's kind of image)."""
+    from epd.testing import synthetic_image
+
+    rng = random.Random(seed)
+
+    def edge() -> int:
+        return 28 * rng.randint(IMAGE_EDGE_PX[0] // 28, IMAGE_EDGE_PX[1] // 28)
+
+    return [synthetic_image(edge(), edge(), seed=seed * 10_007 + index, image_format="JPEG") for index in range(count)]
+
+
+def run(
+    *,
+    quick: bool = False,
+    repeats: int | None = None,
+    num_items: int | None = None,
+    results_dir: pathlib.Path = RESULTS_DIR,
+    command: str | None = None,
+    checkpoint_root: pathlib.Path | None = None,
+) -> pathlib.Path:
+    """Measures both encoders on the same images; writes ``encoder_throughput.json``.
+
+    Args:
+        quick: 12 images and 1 repeat.
+        repeats: timed passes over the images per encoder (medians are reported).
+        num_items: images per pass (default 64, quick 12).
+        results_dir: where the result goes.
+        command: the command line recorded in the result (default: this process's).
+        checkpoint_root: parent directory of the tiny checkpoint (built there if missing).
+
+    Returns:
+        The path of the result file.
+
+    Raises:
+        RuntimeError: the two encoders disagree on an item's embedding shape, a call failed, or
+            arena leases were left at the end.
+    """
+    from epd.checkpoints import ensure_tiny_checkpoint
+
+    repeats = repeats or (QUICK_REPEATS if quick else FULL_REPEATS)
+    num_items = num_items or (QUICK_ITEMS if quick else FULL_ITEMS)
+    model = ensure_tiny_checkpoint(FAMILY, checkpoint_root or DEFAULT_CHECKPOINT_ROOT)
+    images = build_images(num_items)
+    progress(f"{NAME}: {num_items} JPEGs of {IMAGE_EDGE_PX[0]}-{IMAGE_EDGE_PX[1]} px, {repeats} repeats, {model}")
+    hf = measure_hf(model, images, repeats)
+    progress(f"{NAME}: hf_tower {hf['items_per_s']['median']:.1f} items/s")
+    service = measure_vllm_service(model, images, repeats)
+    progress(f"{NAME}: vllm_service {service['items_per_s']['median']:.1f} items/s, {service['mean_batch_items']:.1f} items per engine step")
+    if hf["shapes"] != service["shapes"]:
+        raise RuntimeError(f"the encoders disagree on embedding shapes: HF {hf['shapes'][:4]}... vLLM {service['shapes'][:4]}...")
+    payload = {
+        "experiment": NAME,
+        "config": {
+            "checkpoint": model.name,
+            "dtype": "float32",
+            "num_items": num_items,
+            "repeats": repeats,
+            "image_edge_px": list(IMAGE_EDGE_PX),
+            "image_format": "JPEG",
+            "hf_batch_items": HF_BATCH_ITEMS,
+            "embedding_rows": [rows for rows, _ in hf["shapes"]],
+            "embedding_width": hf["shapes"][0][1],
+        },
+        "results": {"vllm_service": _public(service), "hf_tower": _public(hf)},
+        "ratios": {"vllm_service_over_hf_tower": service["items_per_s"]["median"] / hf["items_per_s"]["median"]},
+    }
+    path = write_result(NAME, payload, command=command or command_line(), results_dir=results_dir)
+    progress(f"{NAME}: vLLM service / HF tower items/s ×{payload['ratios']['vllm_service_over_hf_tower']:.2f}; wrote {path}")
+    return path
+
+
+def _public(measured: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in measured.items() if k != "shapes"}
+
+
+# --- the old encoder: HF processor and tower, in this process --------------------------------------
+
+
+def measure_hf(model_dir: pathlib.Path, images: Sequence[bytes], repeats: int) -> dict[str, Any]:
+    """Items/s of decode + HF processor + ``get_image_features`` in batches of ``HF_BATCH_ITEMS``."""
+    import torch
+    from transformers import AutoImageProcessor, Qwen2_5_VLForConditionalGeneration
+
+    from epd.domain import MediaFile, MediaInput, Modality
+    from epd.media import MediaLimits
+    from epd.media.decode import MediaDecoder
+
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+    processor = AutoImageProcessor.from_pretrained(model_dir)
+    decoder = MediaDecoder.for_model(model_dir, MediaLimits())
+    items = [MediaInput.of(Modality.IMAGE, MediaFile(data, "image/jpeg")) for data in images]
+
+    def one_pass() -> tuple[dict[str, float], list[tuple[int, int]]]:
+        seconds = {"decode": 0.0, "processor": 0.0, "tower": 0.0}
+        shapes: list[tuple[int, int]] = []
+        for start in range(0, len(items), HF_BATCH_ITEMS):
+            t0 = time.perf_counter()
+            decoded = [decoder.decode(item) for item in items[start : start + HF_BATCH_ITEMS]]
+            t1 = time.perf_counter()
+            processed = processor(images=decoded, return_tensors="pt")
+            t2 = time.perf_counter()
+            with torch.inference_mode():
+                output = model.model.get_image_features(processed["pixel_values"], processed["image_grid_thw"])
+            t3 = time.perf_counter()
+            shapes += [(int(e.shape[0]), int(e.shape[1])) for e in output.pooler_output]
+            for stage, elapsed in (("decode", t1 - t0), ("processor", t2 - t1), ("tower", t3 - t2)):
+                seconds[stage] += elapsed
+        return seconds, shapes
+
+    one_pass()  # warm-up: first-call allocations and lazy initialization
+    passes = [one_pass() for _ in range(repeats)]
+    totals = [sum(seconds.values()) for seconds, _ in passes]
+    return {
+        "items_per_s": summarize([len(items) / total for total in totals]),
+        "seconds": summarize(totals),
+        "stage_seconds_median": {stage: statistics.median(seconds[stage] for seconds, _ in passes) for stage in ("decode", "processor", "tower")},
+        "torch_threads": torch.get_num_threads(),
+        "shapes": passes[0][1],
+    }
+
+
+# --- the encoder service: vLLM's encoder-only engine ----------------------------------------------
+
+
+def measure_vllm_service(model_dir: pathlib.Path, images: Sequence[bytes], repeats: int) -> dict[str, Any]:
+    """Items/s of the encoder service at saturation, one image per ``Encode`` call."""
+    from epd.launcher import Stack
+    from epd.telemetry import scrape
+
+    stack = Stack()
+    progress(f"{NAME}: starting the encoder service (log in {stack.log_dir})")
+    try:
+        encoder = stack.start("encoder", ["encoder", "--model", str(model_dir), "--metrics-port", "0"])
+        stack.wait_ready([encoder], timeout=600)
+        asyncio.run(_saturate(encoder.address, images[:2], salt="warm-up"))
+        passes = []
+        for repeat in range(repeats):
+            before = scrape(encoder.metrics_port)
+            seconds, shapes = asyncio.run(_saturate(encoder.address, images, salt=f"repeat-{repeat}"))
+            after = scrape(encoder.metrics_port)
+            passes.append((seconds, shapes, {key: after.get(key, 0.0) - before.get(key, 0.0) for key in _COUNTERS}))
+        leases = _leases_after_drain(encoder.metrics_port)
+    finally:
+        stack.stop()
+    if leases:
+        raise RuntimeError(f"{leases:g} arena leases left after every lease was given back")
+    steps = sum(delta["epd_encoder_batches{modality=image}"] for _, _, delta in passes)
+    batch_items = sum(delta["epd_encoder_batch_items{modality=image}"] for _, _, delta in passes)
+    call_seconds = sum(delta["epd_encoder_seconds_sum{modality=image}"] for _, _, delta in passes)
+    calls = sum(delta["epd_encoder_seconds_count{modality=image}"] for _, _, delta in passes)
+    return {
+        "items_per_s": summarize([len(images) / seconds for seconds, _, _ in passes]),
+        "seconds": summarize([seconds for seconds, _, _ in passes]),
+        "mean_batch_items": batch_items / steps if steps else float("nan"),
+        "engine_steps": steps,
+        "mean_encode_call_ms": 1000 * call_seconds / calls if calls else float("nan"),
+        "arena_leases_at_end": leases,
+        "shapes": passes[0][1],
+    }
+
+
+_COUNTERS = (
+    "epd_encoder_batches{modality=image}",
+    "epd_encoder_batch_items{modality=image}",
+    "epd_encoder_seconds_sum{modality=image}",
+    "epd_encoder_seconds_count{modality=image}",
+)
+
+
+async def _saturate(address: str, images: Sequence[bytes], *, salt: str) -> tuple[float, list[tuple[int, int]]]:
+    """Sends every image as its own Encode call at once; returns the seconds from the first send
+    to the last response, and each item's embedding shape. Leases are given back per call."""
+    import grpc
+
+    from epd.server import CLIENT_OPTIONS
+    from epd.v1 import encoder_pb2, encoder_pb2_grpc, multimodal_pb2
+
+    async with grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS) as channel:
+        stub = encoder_pb2_grpc.EncoderServiceStub(channel)
+        done: list[float] = []
+
+        async def one(index: int, data: bytes) -> tuple[int, int]:
+            # A content hash of its own per pass: vLLM's encoder cache is keyed by it.
+            content_hash = hashlib.sha256(data + salt.encode()).hexdigest()
+            item = multimodal_pb2.MediaItem(content_hash=content_hash, image=multimodal_pb2.Media(data=data, mime_type="image/jpeg"))
+            response = await stub.Encode(encoder_pb2.EncodeRequest(request_id=f"bench-{salt}-{index}", items=[item]), timeout=_CALL_TIMEOUT_S)
+            done.append(time.perf_counter())
+            (encoded,) = response.items
+            if encoded.embedding.HasField("nixl"):
+                await stub.ReleaseEmbeddings(encoder_pb2.ReleaseEmbeddingsRequest(lease_ids=[encoded.embedding.nixl.lease_id]), timeout=_CALL_TIMEOUT_S)
+            rows, width = encoded.metadata.embedding_shape
+            return int(rows), int(width)
+
+        started = time.perf_counter()
+        shapes = await asyncio.gather(*(one(index, data) for index, data in enumerate(images)))
+    return max(done) - started, list(shapes)
+
+
+def _leases_after_drain(metrics_port: int) -> float:
+    """Arena leases once the release notifications have been taken in (they end asynchronously)."""
+    from epd.telemetry import scrape
+
+    deadline = time.monotonic() + _LEASES_DRAIN_S
+    while (leases := scrape(metrics_port).get("epd_arena_leases", 0.0)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return leases
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.encoder_throughput", description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help=f"{QUICK_ITEMS} images, {QUICK_REPEATS} repeat")
+    parser.add_argument("--repeats", type=int, default=None, help=f"timed passes per encoder (default {FULL_REPEATS})")
+    parser.add_argument("--num-items", type=int, default=None, help=f"images per pass (default {FULL_ITEMS})")
+    parser.add_argument("--results-dir", type=pathlib.Path, default=RESULTS_DIR)
+    args = parser.parse_args(argv)
+    command = " ".join(shlex.quote(a) for a in [pathlib.Path(sys.executable).name, "-m", "bench.encoder_throughput", *sys.argv[1:]])
+    print(run(quick=args.quick, repeats=args.repeats, num_items=args.num_items, results_dir=args.results_dir, command=command))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

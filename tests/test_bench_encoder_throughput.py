@@ -1,0 +1,59 @@
+"""Smoke test of the encoder-throughput benchmark (bench/encoder_throughput.py): a few images
+through the real encoder service (vLLM's encoder-only engine) and through the HF tower, the same
+embedding shapes from both, every lease given back, and the schema the report reads."""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import pathlib
+
+import pytest
+
+from bench import encoder_throughput
+from bench.report import write_report
+from tests.conftest import CHECKPOINT_ROOT
+
+pytestmark = pytest.mark.timeout(600)
+
+SUMMARY = {"count", "mean", "median", "p99"}
+
+
+def positive(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
+
+
+def test_smoke_run_writes_the_schema(tmp_path: pathlib.Path) -> None:
+    path = encoder_throughput.run(repeats=1, num_items=4, results_dir=tmp_path, command="pytest", checkpoint_root=CHECKPOINT_ROOT)
+
+    doc = json.loads(path.read_text())
+    assert path.name == "encoder_throughput.json" and doc["name"] == doc["experiment"] == "encoder_throughput"
+    config = doc["config"]
+    assert config["checkpoint"] == "qwen2_5_vl-s0" and config["num_items"] == 4 and config["dtype"] == "float32"
+    assert len(config["embedding_rows"]) == 4 and all(rows > 0 for rows in config["embedding_rows"]) and config["embedding_width"] > 0
+
+    service, hf = doc["results"]["vllm_service"], doc["results"]["hf_tower"]
+    assert set(service) == {"items_per_s", "seconds", "mean_batch_items", "engine_steps", "mean_encode_call_ms", "arena_leases_at_end"}
+    assert set(hf) == {"items_per_s", "seconds", "stage_seconds_median", "torch_threads"}
+    for result in (service, hf):
+        assert set(result["items_per_s"]) == SUMMARY and result["items_per_s"]["count"] == 1 and positive(result["items_per_s"]["median"])
+    assert service["arena_leases_at_end"] == 0
+    # vLLM's scheduler encoded the 4 concurrent calls in at most 4 engine steps.
+    assert 1 <= service["mean_batch_items"] <= 4 and 1 <= service["engine_steps"] <= 4
+    assert set(hf["stage_seconds_median"]) == {"decode", "processor", "tower"}
+    assert doc["ratios"]["vllm_service_over_hf_tower"] == pytest.approx(service["items_per_s"]["median"] / hf["items_per_s"]["median"])
+
+    report = write_report(tmp_path, out=tmp_path / "BENCHMARKS.md").read_text()
+    assert "## Encoder throughput" in report and "Command: `pytest`" in report and "| vllm_service |" in report
+
+
+def test_images_are_seeded_jpegs_of_the_configured_sizes() -> None:
+    from PIL import Image
+
+    images = encoder_throughput.build_images(3)
+    assert images == encoder_throughput.build_images(3) and len(set(images)) == 3
+    low, high = encoder_throughput.IMAGE_EDGE_PX
+    for data in images:
+        image = Image.open(io.BytesIO(data))
+        assert image.format == "JPEG" and all(low <= edge <= high and edge % 28 == 0 for edge in image.size)
