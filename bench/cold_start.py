@@ -39,6 +39,7 @@ import os
 import pathlib
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -87,26 +88,39 @@ def run(
         repeats: starts per mode and page-cache state (default 3, quick 1).
         results_dir: where ``cold_start.json`` is written.
         command: the command line recorded in the result (default: this process's).
-        checkpoint_root: parent directory of the checkpoints (default ``<repo>/checkpoints``);
-            the checkpoint is built there if missing (about 0.9 GB and a minute for bench).
+        checkpoint_root: parent directory of the checkpoint, built there if missing (about 0.9 GB
+            and a minute for bench). Default: ``<repo>/checkpoints`` for the bench checkpoint,
+            which nothing else reads; a private temporary copy for quick runs, since tests read
+            the shared tiny checkpoint concurrently and would fill the page cache under us.
         page_caches: which of ``warm`` and ``cold`` to measure.
         family: the tiny checkpoint family (default Qwen2.5-VL).
 
     Returns:
         The path of the result file.
     """
-    from epd.checkpoints import ensure_tiny_checkpoint
-
     unknown = set(page_caches) - set(PAGE_CACHES)
     if unknown or not page_caches:
         raise ValueError(f"page_caches must be a non-empty subset of {PAGE_CACHES}, got {list(page_caches)}")
     repeats = repeats or (QUICK_REPEATS if quick else DEFAULT_REPEATS)
     scale = "tiny" if quick else "bench"
-    root = checkpoint_root or DEFAULT_CHECKPOINT_ROOT
-    started = time.perf_counter()
-    model_dir = ensure_tiny_checkpoint(family, root, scale=scale)
+    private_root = None
+    if checkpoint_root is None and quick:
+        private_root = checkpoint_root = pathlib.Path(tempfile.mkdtemp(prefix="epd-bench-cold-start-checkpoint-"))
+    try:
+        from epd.checkpoints import ensure_tiny_checkpoint
+
+        started = time.perf_counter()
+        model_dir = ensure_tiny_checkpoint(family, checkpoint_root or DEFAULT_CHECKPOINT_ROOT, scale=scale)
+        progress(f"{NAME}: {model_dir} ready after {time.perf_counter() - started:.1f}s")
+        return _measure(model_dir, repeats=repeats, page_caches=page_caches, results_dir=results_dir, command=command)
+    finally:
+        if private_root is not None:
+            shutil.rmtree(private_root, ignore_errors=True)
+
+
+def _measure(model_dir: pathlib.Path, *, repeats: int, page_caches: Sequence[str], results_dir: pathlib.Path, command: str | None) -> pathlib.Path:
     checkpoint = describe_checkpoint(model_dir)
-    progress(f"{NAME}: {model_dir} ready after {time.perf_counter() - started:.1f}s: {checkpoint['shards']} shards, {checkpoint['bytes'] / 2**20:.1f} MiB")
+    progress(f"{NAME}: {checkpoint['shards']} shards, {checkpoint['bytes'] / 2**20:.1f} MiB of tensors")
     files = sorted(p for p in model_dir.iterdir() if p.is_file())
     shards = [model_dir / shard for shard in checkpoint["shard_files"]]
     log_dir = pathlib.Path(tempfile.mkdtemp(prefix="epd-bench-cold-start-"))

@@ -124,19 +124,23 @@ ENGINES = ("prefill", "decode", "combined", "gateway-monolithic")
 _DRAIN_S = 10.0  # leases end by asynchronous notifications; give them this long
 
 
-def counters(services: dict[str, ServiceProcess], modality: str = "image") -> dict[str, float]:
+def _scrape(services: dict[str, ServiceProcess]) -> dict[str, dict[str, float]]:
+    return {name: scrape(services[name].metrics_port) for name in dict.fromkeys(("encoder", *CONSUMERS, *ENGINES))}
+
+
+def counters(services: dict[str, ServiceProcess], modality: str = "image", metrics: dict[str, dict[str, float]] | None = None) -> dict[str, float]:
     """The cumulative counters ``end_state`` reports as differences: take them before a run."""
-    encoder = scrape(services["encoder"].metrics_port)
+    metrics = metrics or _scrape(services)
+    encoder = metrics["encoder"]
     values = {
         "encoder.items": encoder.get(f"epd_encoder_items_total{{modality={modality}}}", 0.0),
         "encoder.steps": encoder.get(f"epd_encoder_batches{{modality={modality}}}", 0.0),
         "encoder.batch_items": encoder.get(f"epd_encoder_batch_items{{modality={modality}}}", 0.0),
     }
     for name in CONSUMERS:
-        metrics = scrape(services[name].metrics_port)
-        values[f"{name}.failures"] = metrics.get("epd_embedding_load_failures", float("nan"))
-        values[f"{name}.nixl"] = metrics.get("epd_embedding_bytes_loaded{transport=nixl}", 0.0)
-        values[f"{name}.inline"] = metrics.get("epd_embedding_bytes_loaded{transport=inline}", 0.0)
+        values[f"{name}.failures"] = metrics[name].get("epd_embedding_load_failures", float("nan"))
+        values[f"{name}.nixl"] = metrics[name].get("epd_embedding_bytes_loaded{transport=nixl}", 0.0)
+        values[f"{name}.inline"] = metrics[name].get("epd_embedding_bytes_loaded{transport=inline}", 0.0)
     return values
 
 
@@ -146,39 +150,39 @@ def end_state(services: dict[str, ServiceProcess], modality: str = "image", sinc
     :func:`counters` snapshot; since the services started if None). Leases end and KV is freed
     by asynchronous notifications, so this waits up to ``_DRAIN_S`` for everything to drain."""
     deadline = time.monotonic() + _DRAIN_S
-    while not (state := _state(services, modality, since))["drained"] and time.monotonic() < deadline:
+    while not (state := _state(_scrape(services), modality, since))["drained"] and time.monotonic() < deadline:
         time.sleep(0.2)
     return state
 
 
-def _state(services: dict[str, ServiceProcess], modality: str, since: dict[str, float] | None) -> dict:
-    leases = scrape(services["encoder"].metrics_port).get("epd_arena_leases", float("nan"))
-    now = counters(services, modality)
+def _state(metrics: dict[str, dict[str, float]], modality: str, since: dict[str, float] | None) -> dict:
+    now = counters({}, modality, metrics)
     delta = {key: value - (since or {}).get(key, 0.0) for key, value in now.items()}
     state: dict = {
-        "arena_leases": leases,
+        "arena_leases": metrics["encoder"].get("epd_arena_leases", float("nan")),
         "encoder": {
             "items_encoded": delta["encoder.items"],
             "engine_steps": delta["encoder.steps"],
             "mean_items_per_step": delta["encoder.batch_items"] / delta["encoder.steps"] if delta["encoder.steps"] else float("nan"),
         },
-        "consumers": {},
-        "engines": {},
+        "consumers": {
+            name: {
+                "embedding_load_failures": delta[f"{name}.failures"],
+                "nixl_bytes_loaded": delta[f"{name}.nixl"],
+                "inline_bytes_loaded": delta[f"{name}.inline"],
+                "receive_buffer_items": metrics[name].get("epd_receive_buffer_items", float("nan")),
+            }
+            for name in CONSUMERS
+        },
+        "engines": {
+            name: {
+                "kv_cache_usage": metrics[name].get("vllm:kv_cache_usage_perc", float("nan")),
+                "requests_running": metrics[name].get("vllm:num_requests_running", float("nan")),
+                "requests_waiting": metrics[name].get("vllm:num_requests_waiting", float("nan")),
+            }
+            for name in ENGINES
+        },
     }
-    for name in CONSUMERS:
-        state["consumers"][name] = {
-            "embedding_load_failures": delta[f"{name}.failures"],
-            "nixl_bytes_loaded": delta[f"{name}.nixl"],
-            "inline_bytes_loaded": delta[f"{name}.inline"],
-            "receive_buffer_items": scrape(services[name].metrics_port).get("epd_receive_buffer_items", float("nan")),
-        }
-    for name in ENGINES:
-        metrics = scrape(services[name].metrics_port)
-        state["engines"][name] = {
-            "kv_cache_usage": metrics.get("vllm:kv_cache_usage_perc", float("nan")),
-            "requests_running": metrics.get("vllm:num_requests_running", float("nan")),
-            "requests_waiting": metrics.get("vllm:num_requests_waiting", float("nan")),
-        }
     state["drained"] = drained(state)
     return state
 

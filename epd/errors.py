@@ -132,4 +132,6 @@ def from_rpc_error(error: grpc.aio.AioRpcError, *, peer: str) -> EpdError:
         return Unimplemented(message)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:
         return DeadlineExceeded(message)
+    if code == grpc.StatusCode.INTERNAL:
+        return Internal(message)  # a bug in the stage: retrying would not help
     return Unavailable(message)

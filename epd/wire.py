@@ -282,9 +282,11 @@ _FIELD_DTYPES = {
     "bool": multimodal_pb2.FIELD_DTYPE_BOOL,
     "float32": multimodal_pb2.FIELD_DTYPE_FLOAT32,
     "float64": multimodal_pb2.FIELD_DTYPE_FLOAT64,
+    "bfloat16": multimodal_pb2.FIELD_DTYPE_BFLOAT16,
+    "float16": multimodal_pb2.FIELD_DTYPE_FLOAT16,
 }
 _FIELD_DTYPES_FROM_WIRE = {v: k for k, v in _FIELD_DTYPES.items()}
-_FLOAT_FIELD_DTYPES = frozenset({"float32", "float64"})
+_FLOAT_FIELD_DTYPES = frozenset({"float32", "float64", "bfloat16", "float16"})
 
 
 def metadata_to_wire(meta: ItemMetadata) -> multimodal_pb2.MultimodalMetadata:

@@ -49,7 +49,11 @@ def test_metadata_round_trips_with_typed_and_engine_fields():
         GridThw(2, 4, 6),
         video_timestamps_s=(0.25, 1.25),
         second_per_grid_ts=0.5,
-        engine_fields={"use_audio_in_video": EngineField("bool", (), (0,)), "scales": EngineField("float32", (2,), (0.5, 2.0))},
+        engine_fields={
+            "use_audio_in_video": EngineField("bool", (), (0,)),
+            "scales": EngineField("float32", (2,), (0.5, 2.0)),
+            "second_per_grid_ts": EngineField("bfloat16", (), (0.75,)),  # a bf16 model's: not the typed float32 form
+        },
     )
     assert wire.metadata_from_wire(wire.metadata_to_wire(meta), "m") == meta
 

@@ -159,26 +159,13 @@ class ConsumerScheduler:
         """Records a new request and starts loading its items; None if it cannot be served."""
         request_id = request.request_id
         try:
-            expected = expected_from_params(request.ec_transfer_params)
+            expected = self._handles(request)
         except ValueError as exc:
-            self._requests[request_id] = _RequestState([])
+            self._requests[request_id] = _RequestState([])  # remembered, so it is refused only once
             self._mark_unavailable(request_id, str(exc))
             return None
         hashes = list(dict.fromkeys(f.identifier for f in request.mm_features))
         state = self._requests[request_id] = _RequestState(hashes)
-        for index, feature in enumerate(request.mm_features):
-            handle = expected.get(feature.identifier)
-            if handle is None:
-                self._mark_unavailable(request_id, f"item {index} has no handle in ec_transfer_params")
-                return None
-            rows = feature.mm_position.get_num_embeds()
-            if handle.rows != rows or handle.dtype not in DTYPES:
-                self._mark_unavailable(request_id, f"item {index} takes {rows} embedding rows; its handle promises {handle.rows} of {handle.dtype}")
-                return None
-            payload = handle.rows * handle.width * DTYPES[handle.dtype].itemsize
-            if isinstance(handle.location, InlineEmbedding) and len(handle.location.data) != payload:
-                self._mark_unavailable(request_id, f"item {index}'s inline embedding holds {len(handle.location.data)} bytes, not the {payload} its shape needs")
-                return None
         for mm_hash in hashes:
             item = self._items.get(mm_hash)
             if item is not None and item.state == "failed":
@@ -191,6 +178,26 @@ class ConsumerScheduler:
                 self._release_unread(expected[mm_hash])  # the rows are here already
             item.requests.add(request_id)
         return state
+
+    @staticmethod
+    def _handles(request: Request) -> dict[str, ExpectedItem]:
+        """The request's handles, checked against the layout vLLM gave its items.
+
+        Raises:
+            ValueError: a handle is missing, malformed, or disagrees with its item.
+        """
+        expected = expected_from_params(request.ec_transfer_params)
+        for index, feature in enumerate(request.mm_features):
+            handle = expected.get(feature.identifier)
+            if handle is None:
+                raise ValueError(f"item {index} has no handle in ec_transfer_params")
+            rows = feature.mm_position.get_num_embeds()
+            if handle.rows != rows or handle.dtype not in DTYPES:
+                raise ValueError(f"item {index} takes {rows} embedding rows; its handle promises {handle.rows} of {handle.dtype}")
+            payload = handle.rows * handle.width * DTYPES[handle.dtype].itemsize
+            if isinstance(handle.location, InlineEmbedding) and len(handle.location.data) != payload:
+                raise ValueError(f"item {index}'s inline embedding holds {len(handle.location.data)} bytes, not the {payload} its shape needs")
+        return expected
 
     def _progress(self) -> None:
         """Starts loads for waiting requests, oldest first, and collects finished NIXL reads.
