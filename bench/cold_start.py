@@ -162,9 +162,7 @@ def _measure(model_dir: pathlib.Path, *, repeats: int, page_caches: Sequence[str
         "results": results,
         "ratios": _ratios(results),
     }
-    path = write_result(NAME, payload, command=command or command_line(), results_dir=results_dir)
-    progress(f"{NAME}: wrote {path}")
-    return path
+    return write_result(NAME, payload, command=command or command_line(), results_dir=results_dir)
 
 
 def _summarize(cache: str, mode: str, runs: list[dict[str, Any]]) -> dict[str, Any]:

@@ -97,14 +97,28 @@ def run(
     progress(f"{NAME}: hf_tower {hf['items_per_s']['median']:.1f} items/s")
     service = measure_vllm_service(model, images, repeats)
     progress(f"{NAME}: vllm_service {service['items_per_s']['median']:.1f} items/s, {service['mean_batch_items']:.1f} items per engine step")
+    payload = build_payload(model, repeats, hf, service)
+    progress(f"{NAME}: vLLM service / HF tower items/s ×{payload['ratios']['vllm_service_over_hf_tower']:.2f}")
+    return write_result(NAME, payload, command=command or command_line(), results_dir=results_dir)
+
+
+def build_payload(model_dir: pathlib.Path, repeats: int, hf: dict[str, Any], service: dict[str, Any]) -> dict[str, Any]:
+    """The result document.
+
+    Raises:
+        RuntimeError: the encoders disagree on an item's embedding shape (they did different
+            work), or the service has arena leases left.
+    """
     if hf["shapes"] != service["shapes"]:
         raise RuntimeError(f"the encoders disagree on embedding shapes: HF {hf['shapes'][:4]}... vLLM {service['shapes'][:4]}...")
-    payload = {
+    if service["arena_leases_at_end"]:
+        raise RuntimeError(f"{service['arena_leases_at_end']:g} arena leases left after every lease was given back")
+    return {
         "experiment": NAME,
         "config": {
-            "checkpoint": model.name,
+            "checkpoint": model_dir.name,
             "dtype": "float32",
-            "num_items": num_items,
+            "num_items": len(hf["shapes"]),
             "repeats": repeats,
             "image_edge_px": list(IMAGE_EDGE_PX),
             "image_format": "JPEG",
@@ -115,9 +129,6 @@ def run(
         "results": {"vllm_service": _public(service), "hf_tower": _public(hf)},
         "ratios": {"vllm_service_over_hf_tower": service["items_per_s"]["median"] / hf["items_per_s"]["median"]},
     }
-    path = write_result(NAME, payload, command=command or command_line(), results_dir=results_dir)
-    progress(f"{NAME}: vLLM service / HF tower items/s ×{payload['ratios']['vllm_service_over_hf_tower']:.2f}; wrote {path}")
-    return path
 
 
 def _public(measured: dict[str, Any]) -> dict[str, Any]:
@@ -174,27 +185,30 @@ def measure_hf(model_dir: pathlib.Path, images: Sequence[bytes], repeats: int) -
 
 
 def measure_vllm_service(model_dir: pathlib.Path, images: Sequence[bytes], repeats: int) -> dict[str, Any]:
-    """Items/s of the encoder service at saturation, one image per ``Encode`` call."""
+    """Starts the encoder service (fp32, the defaults) and measures it with :func:`measure_encoder`."""
     from epd.launcher import Stack
-    from epd.telemetry import scrape
 
     stack = Stack()
     progress(f"{NAME}: starting the encoder service (log in {stack.log_dir})")
     try:
         encoder = stack.start("encoder", ["encoder", "--model", str(model_dir), "--metrics-port", "0"])
         stack.wait_ready([encoder], timeout=600)
-        asyncio.run(_saturate(encoder.address, images[:2], salt="warm-up"))
-        passes = []
-        for repeat in range(repeats):
-            before = scrape(encoder.metrics_port)
-            seconds, shapes = asyncio.run(_saturate(encoder.address, images, salt=f"repeat-{repeat}"))
-            after = scrape(encoder.metrics_port)
-            passes.append((seconds, shapes, {key: after.get(key, 0.0) - before.get(key, 0.0) for key in _COUNTERS}))
-        leases = _leases_after_drain(encoder.metrics_port)
+        return measure_encoder(encoder.address, encoder.metrics_port, images, repeats)
     finally:
         stack.stop()
-    if leases:
-        raise RuntimeError(f"{leases:g} arena leases left after every lease was given back")
+
+
+def measure_encoder(address: str, metrics_port: int, images: Sequence[bytes], repeats: int) -> dict[str, Any]:
+    """Items/s of a running encoder service at saturation, one image per ``Encode`` call."""
+    from epd.telemetry import scrape
+
+    asyncio.run(_saturate(address, images[:2], salt="warm-up"))
+    passes = []
+    for repeat in range(repeats):
+        before = scrape(metrics_port)
+        seconds, shapes = asyncio.run(_saturate(address, images, salt=f"repeat-{repeat}"))
+        after = scrape(metrics_port)
+        passes.append((seconds, shapes, {key: after.get(key, 0.0) - before.get(key, 0.0) for key in _COUNTERS}))
     steps = sum(delta["epd_encoder_batches{modality=image}"] for _, _, delta in passes)
     batch_items = sum(delta["epd_encoder_batch_items{modality=image}"] for _, _, delta in passes)
     call_seconds = sum(delta["epd_encoder_seconds_sum{modality=image}"] for _, _, delta in passes)
@@ -205,7 +219,7 @@ def measure_vllm_service(model_dir: pathlib.Path, images: Sequence[bytes], repea
         "mean_batch_items": batch_items / steps if steps else float("nan"),
         "engine_steps": steps,
         "mean_encode_call_ms": 1000 * call_seconds / calls if calls else float("nan"),
-        "arena_leases_at_end": leases,
+        "arena_leases_at_end": _leases_after_drain(metrics_port),
         "shapes": passes[0][1],
     }
 

@@ -857,7 +857,6 @@ def run(
     }
     path = write_result("handoff", payload_doc, command=command or command_line(), results_dir=results_dir)
     _plot(results, results_dir / "handoff.png")
-    progress(f"handoff: wrote {path}")
     return path
 
 

@@ -134,6 +134,7 @@ def _handoff(doc: dict) -> list[str]:
         lines.append(f"| {r['method']} | {_size(r['bytes'])} | {_fmt(r['latency_us']['median'], 1)} | {_fmt(r['latency_us']['p99'], 1)} | {_fmt(r['gb_per_s'], 3)} | {r['latency_us']['count']} |")
     lines += ["", "Goals:", ""]
     lines += [f"- {g['goal']}: ×{_fmt(g['value'], 3)} ({'met' if g['met'] else 'NOT met'})" for g in doc["goals"]]
+    lines += ["", "Throughput ratios and fixed cost:", ""]
     ratios = doc["ratios"]
     for key, label in (
         ("ec_consumer_over_memcpy", "ec_consumer throughput over memcpy's"),

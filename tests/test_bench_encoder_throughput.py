@@ -1,6 +1,7 @@
 """Smoke test of the encoder-throughput benchmark (bench/encoder_throughput.py): a few images
-through the real encoder service (vLLM's encoder-only engine) and through the HF tower, the same
-embedding shapes from both, every lease given back, and the schema the report reads."""
+through the real encoder service (vLLM's encoder-only engine; the shared Qwen2.5-VL stack's) and
+through the HF tower, the same embedding shapes from both, every lease given back, and the
+schema the report reads. (``run`` only adds starting and stopping an encoder of its own.)"""
 
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ import pathlib
 import pytest
 
 from bench import encoder_throughput
+from bench.common import write_result
 from bench.report import write_report
-from tests.conftest import CHECKPOINT_ROOT
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -24,8 +25,13 @@ def positive(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
-def test_smoke_run_writes_the_schema(tmp_path: pathlib.Path) -> None:
-    path = encoder_throughput.run(repeats=1, num_items=4, results_dir=tmp_path, command="pytest", checkpoint_root=CHECKPOINT_ROOT)
+def test_smoke_run_writes_the_schema(family_stack, tmp_path: pathlib.Path) -> None:
+    model = pathlib.Path(family_stack.model)
+    images = encoder_throughput.build_images(4)
+    hf = encoder_throughput.measure_hf(model, images, repeats=1)
+    service = encoder_throughput.measure_encoder(family_stack.encoder.address, family_stack.encoder.metrics_port, images, repeats=1)
+    payload = encoder_throughput.build_payload(model, 1, hf, service)
+    path = write_result(encoder_throughput.NAME, payload, command="pytest", results_dir=tmp_path)
 
     doc = json.loads(path.read_text())
     assert path.name == "encoder_throughput.json" and doc["name"] == doc["experiment"] == "encoder_throughput"
