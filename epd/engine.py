@@ -93,7 +93,6 @@ class RenderedPrompt:
     """A prompt after vLLM's processor: expanded, with each item's place."""
 
     engine_input: Any  # vLLM's EngineInput, handed back to generate()
-    token_count: int
     placeholders: list[tuple[str, int, int]]  # (modality, run length, embedding rows) in prompt order
 
 
@@ -115,7 +114,7 @@ class Engine:
         self.config = config
         self.engine_id = f"{config.role.value}-{uuid.uuid4().hex[:12]}"
         self._llm = None
-        self._modalities: frozenset[Modality] = frozenset()
+        self._metadata_fields: dict[Modality, frozenset[str]] = {}  # per modality the model takes
 
     def start(self) -> None:
         """Loads the model (seconds to minutes). Call before serving."""
@@ -155,8 +154,15 @@ class Engine:
             **kwargs,
         )
         self._llm = AsyncLLM.from_engine_args(args)
-        limits = self._processing_info().allowed_mm_limits if self._llm.model_config.is_multimodal_model else {}
-        self._modalities = frozenset(Modality(m) for m, limit in limits.items() if limit > 0 and m in Modality._value2member_map_)
+        if self._llm.model_config.is_multimodal_model:
+            from vllm.multimodal import MULTIMODAL_REGISTRY
+
+            info = MULTIMODAL_REGISTRY.create_processor(self._llm.model_config).info
+            self._metadata_fields = {
+                Modality(m): frozenset(info.data_parser.placeholder_metadata_fields(m))
+                for m, limit in info.allowed_mm_limits.items()
+                if limit > 0 and m in Modality._value2member_map_
+            }
 
     def shutdown(self) -> None:
         if self._llm is not None:
@@ -171,7 +177,7 @@ class Engine:
     @property
     def modalities(self) -> frozenset[Modality]:
         """Media kinds the model takes."""
-        return self._modalities
+        return frozenset(self._metadata_fields)
 
     @functools.cached_property
     def connector_counters(self) -> dict[str, Any]:
@@ -192,7 +198,7 @@ class Engine:
     def metadata_fields(self, modality: Modality) -> frozenset[str]:
         """The per-item fields this model declares as placeholder metadata for ``modality``:
         what a metadata-only item must carry. Empty when vLLM has no metadata-only path."""
-        return frozenset(self._processing_info().data_parser.placeholder_metadata_fields(modality.value))
+        return self._metadata_fields.get(modality, frozenset())
 
     async def render(self, prompt: dict[str, Any], field: str) -> RenderedPrompt:
         """Runs vLLM's processor on a prompt dict (token ids, multimodal data and uuids).
@@ -207,7 +213,7 @@ class Engine:
         placeholders = []
         for modality, ranges in engine_input.get("mm_placeholders", {}).items():
             placeholders += [(r.offset, modality, r.length, r.get_num_embeds()) for r in ranges]
-        return RenderedPrompt(engine_input, len(engine_input["prompt_token_ids"]), [p[1:] for p in sorted(placeholders)])
+        return RenderedPrompt(engine_input, [p[1:] for p in sorted(placeholders)])
 
     async def generate(
         self,
@@ -298,11 +304,6 @@ class Engine:
             "engine_id": self.engine_id,
             "ec_connector_extra_config": connector.extra_config(),
         }
-
-    def _processing_info(self):
-        from vllm.multimodal import MULTIMODAL_REGISTRY
-
-        return MULTIMODAL_REGISTRY.create_processor(self._llm.model_config).info
 
 
 def kv_params_for_prefill() -> dict[str, Any]:
