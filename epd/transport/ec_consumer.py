@@ -26,7 +26,7 @@ from epd.transport.arena import SharedCounters
 from epd.transport.base import Read, Reader
 from epd.transport.ec_params import ExpectedItem, expected_from_params
 from epd.transport.shared_buffer import SharedBuffer
-from epd.transport.slot_header import DTYPES, HEADER_BYTES, SlotHeader, SlotStatus, slot_bytes
+from epd.transport.slot_header import DTYPES, HEADER_BYTES, SlotHeader, header_fields, ready_fields, slot_bytes
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -77,12 +77,14 @@ class ConsumerScheduler:
     def __init__(self, config: ConnectorConfig) -> None:
         self._config = config
         self._buffer = SharedBuffer.create(config.buffer_name("receive"), config.buffer_bytes)
+        self._view = memoryview(self._buffer.tensor.numpy())
         self._pages = SlotAllocator((config.buffer_bytes - SharedCounters.BYTES) // PAGE_BYTES)
         self.counters = SharedCounters(self._buffer.tensor, RECEIVE_COUNTERS)
         self.counters.set("num_pages", self._pages.num_slots)
         self._readers: dict[type, Reader] = {}  # by location kind, made on first use: inline-only hosts need no NIXL
         self._items: dict[str, _Item] = {}
         self._requests: dict[str, _RequestState] = {}
+        self._waiting: dict[str, None] = {}  # ids of requests with items still waiting for pages, oldest first
         self._unavailable: set[str] = set()
         self._installs: list[Install] = []
         self._freeing: list[tuple[int, int]] = []  # freed one step late: a worker may still read them
@@ -136,6 +138,7 @@ class ConsumerScheduler:
 
     def request_finished(self, request: Request) -> None:
         state = self._requests.pop(request.request_id, None)
+        self._waiting.pop(request.request_id, None)
         self._unavailable.discard(request.request_id)
         for mm_hash in state.items if state else ():
             item = self._items.get(mm_hash)
@@ -166,6 +169,7 @@ class ConsumerScheduler:
             return None
         hashes = list(dict.fromkeys(f.identifier for f in request.mm_features))
         state = self._requests[request_id] = _RequestState(hashes)
+        self._waiting[request_id] = None
         for mm_hash in hashes:
             item = self._items.get(mm_hash)
             if item is not None and item.state == "failed":
@@ -206,23 +210,24 @@ class ConsumerScheduler:
         that does not fit stops the ones behind it: two requests each holding half of what
         they need would otherwise wait for each other forever.
         """
-        for state in self._requests.values():
-            waiting = [(h, self._items[h]) for h in dict.fromkeys(state.items) if self._items[h].state == "waiting"]
-            if not waiting:
-                continue
-            if not self._allocate(waiting):
+        for request_id in list(self._waiting):
+            state = self._requests.get(request_id)
+            waiting = [(h, self._items[h]) for h in state.items if self._items[h].state == "waiting"] if state else []
+            if waiting and not self._allocate(waiting):
                 break
+            del self._waiting[request_id]
             for mm_hash, item in waiting:
                 if item.state == "waiting":  # else it failed: it can never fit
                     item.state = "loading"
                     self._reader(item.expected.location).submit([Read(mm_hash, item.expected.location, item.offset)])
         for reader in self._readers.values():
+            if not reader.busy:
+                continue
             for mm_hash, error in reader.poll():
                 item = self._items.get(mm_hash)
                 if item is not None and item.state == "loading":
                     self._check_loaded(item, error)
                     self._maybe_drop(mm_hash, item)
-        self._update_counters()
 
     def _allocate(self, items: list[tuple[str, _Item]]) -> bool:
         """Pages for every item, or (returning False) for none of them."""
@@ -248,14 +253,9 @@ class ConsumerScheduler:
         """A read ended: over NIXL, the slot header must show the promised item, fully written."""
         expected = item.expected
         if error is None and isinstance(expected.location, NixlLocation):
-            try:
-                header = SlotHeader.unpack_from(self._buffer.tensor, item.offset)
-            except ValueError as exc:
-                error = f"read a slot that holds no item: {exc}"
-            else:
-                promised = (SlotStatus.READY, int(expected.location.lease_id, 16), expected.rows, expected.width, expected.dtype)
-                if (header.status, header.generation, header.rows, header.width, header.dtype) != promised:
-                    error = f"the producer's slot no longer holds lease {expected.location.lease_id} as promised (found {header})"
+            promised = ready_fields(expected.dtype, int(expected.location.lease_id, 16), expected.rows, expected.width)
+            if header_fields(self._view, item.offset) != promised:
+                error = f"the producer's slot no longer holds lease {expected.location.lease_id} as promised ({self._describe_slot(item.offset)})"
         if error is None:
             item.state = "ready"
             if isinstance(expected.location, NixlLocation):
@@ -264,6 +264,12 @@ class ConsumerScheduler:
                 self._add("inline_bytes", len(expected.location.data))
         else:
             self._fail(item, error)
+
+    def _describe_slot(self, offset: int) -> str:
+        try:
+            return f"found {SlotHeader.unpack_from(self._buffer.tensor, offset)}"
+        except ValueError as exc:
+            return f"found no item: {exc}"
 
     def _fail(self, item: _Item, error: str) -> None:
         logger.warning("EPD EC consumer: loading an item failed: %s", error)

@@ -39,8 +39,6 @@ class InlinePublisher:
 class InlineReader:
     """Copies inline rows into the receive buffer (after the slot header's place) on submit."""
 
-    busy = False
-
     def __init__(self, buffer: torch.Tensor) -> None:
         self._buffer = buffer
         self._finished: list[tuple[Hashable, str | None]] = []
@@ -51,6 +49,10 @@ class InlineReader:
             start = read.offset + HEADER_BYTES
             self._buffer[start : start + len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
             self._finished.append((read.key, None))
+
+    @property
+    def busy(self) -> bool:
+        return bool(self._finished)  # finished reads wait for the next poll
 
     def poll(self) -> list[tuple[Hashable, str | None]]:
         finished, self._finished = self._finished, []

@@ -116,8 +116,8 @@ class NixlReader:
 
     @property
     def busy(self) -> bool:
-        """Whether any read or release is still in progress."""
-        return bool(self._transfers) or any(p.queued or p.releases for p in self._peers.values())
+        """Whether any read or release is in progress, or ended and not yet reported."""
+        return bool(self._transfers or self._finished) or any(p.queued or p.releases for p in self._peers.values())
 
     def submit(self, reads: Sequence[Read]) -> None:
         for read in reads:

@@ -62,6 +62,17 @@ class SlotHeader:
         return cls(SlotStatus(status), _DTYPE_NAMES[dtype_code], generation, rows, width)
 
 
+def header_fields(view: memoryview, offset: int) -> tuple:
+    """The raw header at ``offset`` of a buffer's memoryview, for a fast comparison with
+    :func:`ready_fields` (a read is checked before every use)."""
+    return _STRUCT.unpack_from(view, offset)
+
+
+def ready_fields(dtype: str, generation: int, rows: int, width: int) -> tuple:
+    """What :func:`header_fields` reads back from a fully written slot of this lease."""
+    return (_MAGIC, _VERSION, int(SlotStatus.READY), _DTYPE_CODES[dtype], generation, rows, width)
+
+
 def slot_bytes(rows: int, width: int, dtype: str) -> int:
     """Header plus rows: what one published item occupies."""
     return HEADER_BYTES + rows * width * DTYPES[dtype].itemsize
