@@ -3,6 +3,8 @@ embeddings really decide the output."""
 
 from __future__ import annotations
 
+import shutil
+
 import grpc
 import pytest
 
@@ -53,8 +55,9 @@ async def test_no_media_bytes_reach_prefill_or_decode(family_stack, mode):
         assert item.embedding.WhichOneof("transport") == "nixl" and not decode_request.HasField("kv_handoff")
 
 
-async def test_embeddings_travel_over_nixl_and_decide_the_tokens(family_stack):
-    """An encoder with different vision weights (same language model) changes the tokens."""
+async def test_embeddings_travel_over_nixl_and_decide_the_tokens(family_stack, tmp_path):
+    """An encoder with different vision weights (same language model) changes the tokens. It
+    reads only its tower's shard: its checkpoint's language-model shards are garbage."""
     png = synthetic_image_png(170, 110, seed=33)  # unique: no engine has cached this image
     request = chat_request([(png, "image/png"), "Describe."], max_tokens=16)
     loaded = "epd_embedding_bytes_loaded{transport=nixl}"
@@ -64,15 +67,19 @@ async def test_embeddings_travel_over_nixl_and_decide_the_tokens(family_stack):
     assert read > 0, "prefill read no embedding bytes over NIXL"
 
     stack = family_stack.stack
-    other = str(checkpoint(family_stack.family, vision_seed=1))
+    other = tmp_path / "other-tower"
+    shutil.copytree(checkpoint(family_stack.family, vision_seed=1), other)
+    for shard in ("model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors"):
+        (other / shard).write_bytes(b"not a safetensors file" * 100)
     # A new image: the engines key their caches by content hash, so a hash they have seen
     # would bring back KV computed from the first encoder's embeddings.
     other_request = chat_request([(synthetic_image_png(170, 110, seed=34), "image/png"), "Describe."], max_tokens=16)
-    with stack.temporary("encoder-other-vision", ["encoder", "--model", other]) as encoder:
+    with stack.temporary("encoder-other-tower", ["encoder", "--model", str(other)]) as encoder:
+        assert "read 1 of 3 safetensors shards" in encoder.log_tail(400)
         args = gateway_args(
             family_stack.model, "epd", encoders=[encoder.address], prefills=[family_stack.prefill.address], decodes=[family_stack.decode.address]
         )
-        with stack.temporary("gateway-other-vision", args) as gateway:
+        with stack.temporary("gateway-other-tower", args) as gateway:
             changed = await generate(gateway_stub(gateway.address), other_request, timeout=120)
     oracle = await generate(family_stack.gateway_stub("monolithic"), other_request, timeout=120)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from typing import TYPE_CHECKING
 
 from epd.domain import EmbeddingLocation, InlineEmbedding, NixlLocation
@@ -37,6 +38,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 PAGE_BYTES = 4096
+# A request that waits this long for pages while vLLM's encoder cache pins others is worth a loud
+# log line: the buffer is probably smaller than what that cache may hold.
+_STALL_REPORT_S = 5.0
 RECEIVE_COUNTERS = ("items", "free_pages", "num_pages", "failed_loads", "nixl_bytes", "inline_bytes")
 
 
@@ -88,6 +92,7 @@ class ConsumerScheduler:
         self._unavailable: set[str] = set()
         self._installs: list[Install] = []
         self._freeing: list[tuple[int, int]] = []  # freed one step late: a worker may still read them
+        self._stalled_since: float | None = None
         self._update_counters()
         logger.info("EPD EC consumer: receive buffer of %d MiB, shared buffer %s", config.buffer_bytes >> 20, self._buffer.path)
 
@@ -214,7 +219,9 @@ class ConsumerScheduler:
             state = self._requests.get(request_id)
             waiting = [(h, self._items[h]) for h in state.items if self._items[h].state == "waiting"] if state else []
             if waiting and not self._allocate(waiting):
+                self._report_stall()
                 break
+            self._stalled_since = None
             del self._waiting[request_id]
             for mm_hash, item in waiting:
                 if item.state == "waiting":  # else it failed: it can never fit
@@ -264,6 +271,20 @@ class ConsumerScheduler:
                 self._add("inline_bytes", len(expected.location.data))
         else:
             self._fail(item, error)
+
+    def _report_stall(self) -> None:
+        now = time.monotonic()
+        if self._stalled_since is None:
+            self._stalled_since = now
+        elif now - self._stalled_since > _STALL_REPORT_S:
+            pinned = sum(i.num_pages for i in self._items.values() if i.in_encoder_cache and not i.requests) * PAGE_BYTES
+            logger.error(
+                "EPD EC consumer: requests have waited %.0f s for receive-buffer pages; %d bytes are held only by vLLM's encoder "
+                "cache, which frees them when it needs room itself. Raise --embedding-buffer-bytes above that cache's size.",
+                now - self._stalled_since,
+                pinned,
+            )
+            self._stalled_since = now  # once per period, not on every scheduler step
 
     def _describe_slot(self, offset: int) -> str:
         try:
