@@ -1,5 +1,5 @@
 """``python -m bench``: the whole suite (embedding handoff through the EC connector, encoder cold
-start, encoder throughput, serving A/B and topologies for images, video, audio and an Omni
+start, encoder throughput, the gateway's own overhead, serving A/B and topologies for images, video, audio and an Omni
 thinker), then BENCHMARKS.md. On a 2-core CPU host it takes about half an hour; the flags scale
 the same experiments up for GPUs."""
 
@@ -51,6 +51,18 @@ def main(argv: list[str] | None = None) -> int:
             from bench.encoder_throughput import run as run_encoder_throughput
 
             path = run_encoder_throughput(quick=args.quick, repeats=args.repeats, num_items=args.num_items, results_dir=args.results_dir, command=command)
+        elif name == "faults":
+            from bench.faults import run as run_faults
+
+            path = run_faults(quick=args.quick, results_dir=args.results_dir, command=command)
+        elif name == "soak":
+            from bench.soak import run as run_soak
+
+            path = run_soak(quick=args.quick, num_requests=args.num_requests, results_dir=args.results_dir, command=command)
+        elif name == "gateway_overhead":
+            from bench.gateway_overhead import run as run_gateway_overhead
+
+            path = run_gateway_overhead(quick=args.quick, num_requests=args.num_requests, results_dir=args.results_dir, command=command)
         else:
             from bench.serving import run as run_serving
 

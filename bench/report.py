@@ -207,6 +207,80 @@ def _encoder_throughput(doc: dict) -> list[str]:
     ]
 
 
+def _gateway_overhead(doc: dict) -> list[str]:
+    latency, floor, added = doc["latency_ms"], doc["direct_ms"], doc["added_ms"]
+    met = "met" if latency["median"] <= doc["goal_p50_ms"] else "not met"
+    return [
+        "## Gateway overhead, alone: the real gateway against stand-in stages that answer at once",
+        "",
+        f"Command: `{doc['command']}`  ",
+        f"Machine: {_machine(doc)}  ",
+        f"{doc['requests']} sequential E/P/D requests of one 224 px PNG and {doc['output_tokens']} output tokens (one per streamed message), "
+        "after a warm-up; the stand-in encoder, prefill and decode do no work, so every millisecond is the gateway's, its three hops' and the client's.",
+        "",
+        "| measure | median ms | p99 ms |",
+        "| --- | --- | --- |",
+        f"| Generate through the gateway | {_fmt(latency['median'])} | {_fmt(latency['p99'])} |",
+        f"| floor: the same tokens streamed straight from the stand-in decode (one hop) | {_fmt(floor['median'])} | {_fmt(floor['p99'])} |",
+        f"| added by the gateway (per request, gateway minus floor) | {_fmt(added['median'])} | {_fmt(added['p99'])} |",
+        "",
+        f"Gateway CPU per request: {_fmt(doc['cpu_ms_per_request'])} ms (user + system, all its threads). "
+        f"Goal: ≤ {_fmt(doc['goal_p50_ms'], 1)} ms p50 through the gateway: {met}.",
+        "",
+    ]
+
+
+def _seconds(value) -> str:
+    return "never" if value is None else f"{value:.2f}"
+
+
+def _faults(doc: dict) -> list[str]:
+    lines = [
+        "## Faults: SIGKILL of one of two instances of a stage under steady load",
+        "",
+        f"Command: `{doc['command']}`  ",
+        f"Machine: {_machine(doc)}  ",
+        f"Two encoders, two prefills and two decodes behind one E/P/D gateway; {doc['concurrency']} clients in a closed loop of one-image requests "
+        f"({doc['output_tokens']} output tokens), {doc['load_s']:.0f} s of load before the kill and again after the restart. "
+        "Eject: the kill until the gateway's `epd_stage_instance_up` for the instance reads 0; rejoin: the restarted process ready until it reads 1.",
+        "",
+        "| killed | requests | failed | in flight on it, ended | failed, started after the kill | first success after the kill s | eject s | rejoin s | tokens differing | E2EL p50 / p99 ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in doc["results"]:
+        lines.append(
+            f"| {r['stage']} | {r['requests']} | {r['failed']} | {r['ended_in_flight']} | {r['failed_started_after_kill']} | {_seconds(r['first_success_after_kill_s'])} "
+            f"| {_seconds(r['eject_s'])} | {_seconds(r.get('rejoin_s')) if 'rejoin_s' in r else 'n/a (not restarted)'} | {r['wrong_tokens']} "
+            f"| {_fmt(r['e2el_ms']['median'], 0)} / {_fmt(r['e2el_ms']['p99'], 0)} |"
+        )
+    errors = "; ".join(f"{r['stage']}: {', '.join(r['errors'])}" for r in doc["results"] if r["errors"])
+    goals = "Goals: 0 failed for encoder and prefill; for decode, only streams in flight on it end (after their first token, so not retried) and 0 failures for requests started after the kill."
+    return [*lines, "", goals + (f" Errors seen: {errors}." if errors else ""), ""]
+
+
+def _soak(doc: dict) -> list[str]:
+    services = [k for k in doc["rss_mib"][0] if k != "requests"]
+    lines = [
+        "## Soak: requests at steady concurrency, nothing lost, nothing growing",
+        "",
+        f"Command: `{doc['command']}`  ",
+        f"Machine: {_machine(doc)}  ",
+        f"{doc['requests']} one-image E/P/D requests ({doc['output_tokens']} output tokens) at concurrency {doc['concurrency']} in {doc['duration_s']:.0f} s. "
+        f"Lost: {doc['lost']}{' (' + ', '.join(doc['errors']) + ')' if doc['errors'] else ''}. "
+        f"E2EL p50 {_fmt(doc['e2el_ms']['median'], 0)} ms, p99 {_fmt(doc['e2el_ms']['p99'], 0)} ms; TTFT p50 {_fmt(doc['ttft_ms']['median'], 0)} ms, p99 {_fmt(doc['ttft_ms']['p99'], 0)} ms.",
+        "",
+        "RSS of each service's process tree (MiB), by requests completed:",
+        "",
+        "| requests | " + " | ".join(services) + " |",
+        "| --- | " + " | ".join("---" for _ in services) + " |",
+    ]
+    for sample in doc["rss_mib"]:
+        lines.append(f"| {sample['requests']} | " + " | ".join(f"{sample[s]:.0f}" for s in services) + " |")
+    growth = ", ".join(f"{k} {v * 1024:.1f} KiB" for k, v in doc["rss_growth_mib_per_request_after_warmup"].items())
+    end = ", ".join(f"{k} {v:g}" for k, v in doc["end_state"].items())
+    return [*lines, "", f"Growth per request after the first sample: {growth}. After the load drained: {end}.", ""]
+
+
 def _plot_serving(doc: dict, path: pathlib.Path) -> None:
     import matplotlib
 
@@ -264,7 +338,10 @@ SECTIONS = {  # in bench.common.EXPERIMENTS order
     "handoff": _handoff,
     "cold_start": _cold_start,
     "encoder_throughput": _encoder_throughput,
+    "gateway_overhead": _gateway_overhead,
     **{name: _serving for name in SERVING_EXPERIMENTS},
+    "faults": _faults,
+    "soak": _soak,
 }
 
 

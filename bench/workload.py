@@ -208,3 +208,31 @@ async def run_load(address: str, requests: Sequence[gateway_pb2.GenerateRequest]
 
 def _ms(summary: dict) -> dict:
     return {k: (v * 1000 if k != "count" else v) for k, v in summary.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class Sent:
+    """One request of a closed loop: which one, when it started and ended (perf_counter), how."""
+
+    index: int
+    started: float
+    ended: float
+    record: RequestRecord
+
+
+async def closed_loop(stub, requests: Sequence[gateway_pb2.GenerateRequest], concurrency: int, log: list[Sent], *, until=None, total: int | None = None) -> None:
+    """``concurrency`` workers each send the next request (cycling through ``requests``) as soon
+    as their last one ends, until ``until()`` is true or ``total`` requests were sent; every
+    request is appended to ``log`` when it ends."""
+    counter = iter(range(total if total is not None else 1 << 62))
+
+    async def worker() -> None:
+        while until is None or not until():
+            sequence = next(counter, None)
+            if sequence is None:
+                return
+            started = time.perf_counter()
+            record = await _send(stub, requests[sequence % len(requests)])
+            log.append(Sent(sequence % len(requests), started, time.perf_counter(), record))
+
+    await asyncio.gather(*(worker() for _ in range(concurrency)))

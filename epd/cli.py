@@ -23,7 +23,7 @@ DEFAULT_FAMILY = "qwen2_5_vl"
 
 # Field groups per service. Flags are --field-name.
 _ENGINE_FIELDS = ("dtype", "max_model_len", "max_num_seqs", "kv_cache_gib", "max_images_per_prompt", "max_videos_per_prompt", "max_audios_per_prompt", "caches", "seed")
-_KV_FIELDS = ("nixl_side_channel_port",)
+_KV_FIELDS = ("nixl_side_channel_port", "kv_lease_s")
 _ARENA_FIELDS = ("embedding_transport", "embedding_buffer_bytes", "arena_slot_bytes", "lease_ttl_s")
 _RECEIVE_FIELDS = ("embedding_buffer_bytes", "embedding_read_timeout_s")
 _SERVER_FIELDS = {"port": "port", "metrics_port": "metrics_port", "otlp_endpoint": "otlp_endpoint", "grace_s": "drain_grace_s"}
@@ -31,12 +31,15 @@ _HELP = {
     "caches": "vLLM's prefix and multimodal processor caches (--no-caches for benchmarks)",
     "kv_cache_gib": "CPU only: KV cache size",
     "nixl_side_channel_port": "vLLM NixlConnector side channel; 0 picks one",
+    "kv_lease_s": "prefill: seconds computed KV waits for a decode to pull it before vLLM frees it (queued decodes extend it)",
     "embedding_transport": "nixl, or inline (embeddings in the messages: benchmarks, hosts without NIXL)",
     "embedding_buffer_bytes": "shared buffer of the EC connector: the encoder's arena, a consumer's receive buffer",
     "arena_slot_bytes": "the arena's allocation unit",
     "lease_ttl_s": "how long a published embedding waits for its consumer",
     "embedding_read_timeout_s": "limit on one encoder's NIXL metadata fetch or READ",
     "queue_timeout_s": "how long an Encode may wait for arena space or the engine before RESOURCE_EXHAUSTED",
+    "max_attempts": "tries per request, on other instances, when a stage is UNAVAILABLE before the first token",
+    "retry_backoff_s": "first retry's backoff ceiling (doubles per try, full jitter, within the deadline)",
     "max_image_pixels": "per image and per video frame",
     "max_video_frames": "frames in the source video, before sampling",
     "max_audio_s": "the model's own window caps it too",
@@ -118,6 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="benchmarks' baseline: also send every item's media to prefill and decode, which lay it out from the media",
     )
+    _flags(gw, _retry_policy_class(), ["max_attempts", "retry_backoff_s"])
     _media_limit_flags(gw)
 
     up = sub.add_parser("up", help="build the tiny checkpoint if needed and run the whole stack on loopback")
@@ -150,6 +154,12 @@ def _encoder_config_class():
     from services.encoder.runner import EncoderConfig
 
     return EncoderConfig
+
+
+def _retry_policy_class():
+    from gateway.router import RetryPolicy
+
+    return RetryPolicy
 
 
 def _server_config(args):
@@ -203,6 +213,7 @@ def _run_service(args) -> None:
             prefills=tuple(args.prefill),
             decodes=tuple(args.decode),
             limits=_media_limits(args),
+            retry=_retry_policy_class()(**_values(args, ["max_attempts", "retry_backoff_s"])),
             forward_media=args.forward_media,
         )
         asyncio.run(serve(config, server, _engine_config(args)))

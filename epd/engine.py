@@ -67,6 +67,9 @@ class EngineConfig:
     # KV handoff (vLLM NixlConnector): prefill and decode.
     nixl_side_channel_host: str = "127.0.0.1"
     nixl_side_channel_port: int = 0  # 0 picks a free port
+    # Prefill: how long computed KV waits for a decode to pull it (a queued decode's heartbeats
+    # extend it); then vLLM frees the blocks, so abandoned prefills cannot pin the KV cache.
+    kv_lease_s: int = 10
     # Embedding handoff (EPD's EC connector): encoder, prefill and combined.
     embedding_transport: str = "nixl"  # or "inline": bytes in the messages (benchmarks, hosts without NIXL)
     embedding_buffer_bytes: int = 64 * 1024 * 1024  # encoder arena / consumer receive buffer
@@ -128,7 +131,12 @@ class Engine:
         config = self.config
         kwargs: dict[str, Any] = {}
         if config.role.kv_role is not None:
-            kwargs["kv_transfer_config"] = {"kv_connector": "NixlConnector", "kv_role": config.role.kv_role, "kv_buffer_device": "cpu"}
+            kwargs["kv_transfer_config"] = {
+                "kv_connector": "NixlConnector",
+                "kv_role": config.role.kv_role,
+                "kv_buffer_device": "cpu",
+                "kv_connector_extra_config": {"kv_lease_duration": config.kv_lease_s},
+            }
         if config.role.ec_role is not None:
             kwargs["ec_transfer_config"] = self._ec_transfer_config()
         if not config.caches or config.role is EngineRole.ENCODER:

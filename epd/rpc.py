@@ -1,7 +1,8 @@
-"""Servicer-side error handling: one decorator maps domain errors to rich gRPC statuses.
+"""Servicer-side plumbing: one decorator maps domain errors to rich gRPC statuses and traces.
 
 Every RPC handler is wrapped, so a handler body never builds a status itself, an unexpected
-exception is logged and becomes INTERNAL (a bug), and the request counter is always updated.
+exception is logged and becomes INTERNAL (a bug), the request counter is always updated, and
+the handler runs in a SERVER span that continues the caller's trace.
 """
 
 from __future__ import annotations
@@ -30,6 +31,9 @@ def rpc_method(service: str):
     def decorate(handler):
         method = handler.__name__
 
+        def span(servicer, context):
+            return telemetry.server_span(f"/{_grpc_service(servicer)}/{method}", context.invocation_metadata())
+
         def record(code: grpc.StatusCode) -> None:
             telemetry.REQUESTS.labels(service=service, method=method, code=code.name).inc()
 
@@ -49,8 +53,9 @@ def rpc_method(service: str):
             async def stream_wrapper(self, request, context):
                 telemetry.IN_FLIGHT.labels(service=service).inc()
                 try:
-                    async for response in handler(self, request, context):
-                        yield response
+                    with span(self, context):
+                        async for response in handler(self, request, context):
+                            yield response
                     record(grpc.StatusCode.OK)
                 except Exception as exc:  # noqa: BLE001 - mapped to a status right here
                     await handle_failure(context, exc)
@@ -63,7 +68,8 @@ def rpc_method(service: str):
         async def unary_wrapper(self, request, context):
             telemetry.IN_FLIGHT.labels(service=service).inc()
             try:
-                response = await handler(self, request, context)
+                with span(self, context):
+                    response = await handler(self, request, context)
                 record(grpc.StatusCode.OK)
                 return response
             except Exception as exc:  # noqa: BLE001 - mapped to a status right here
@@ -74,3 +80,11 @@ def rpc_method(service: str):
         return unary_wrapper
 
     return decorate
+
+
+def _grpc_service(servicer) -> str:
+    """The full gRPC service name a servicer implements (its generated base class's)."""
+    for cls in type(servicer).__mro__:
+        if cls.__module__.startswith("epd.v1.") and cls.__name__.endswith("Servicer"):
+            return f"epd.v1.{cls.__name__.removesuffix('Servicer')}"
+    return type(servicer).__name__

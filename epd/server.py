@@ -61,13 +61,11 @@ class GrpcHost:
     """An aio server with health, reflection and tracing, for one EPD service."""
 
     def __init__(self, config: ServerConfig, *, service_name: str, full_service_name: str):
-        from opentelemetry.instrumentation.grpc import aio_server_interceptor
-
         telemetry.configure_tracing(service_name, config.otlp_endpoint)
         self.config = config
         self.service_name = service_name
         self.full_service_name = full_service_name
-        self.server = grpc.aio.server(interceptors=[aio_server_interceptor()], options=GRPC_OPTIONS)
+        self.server = grpc.aio.server(options=GRPC_OPTIONS)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -97,6 +95,11 @@ class GrpcHost:
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         print("EPD_READY " + json.dumps({"service": self.service_name}), flush=True)
         logger.info("%s ready", self.service_name)
+
+    async def set_serving(self, serving: bool) -> None:
+        """Readiness that follows something else (the gateway: its stages), until draining."""
+        if not self._stop.is_set():
+            await self._set_health(health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING)
 
     async def wait_for_termination(self) -> None:
         await self._stop.wait()

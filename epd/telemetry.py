@@ -1,9 +1,15 @@
 """Tracing and metrics setup, in one place.
 
-Traces: OpenTelemetry, with W3C ``traceparent`` carried in gRPC metadata by the OTel gRPC
-interceptors on every server and client, so a request is one trace across gateway, encoder,
-prefill and decode. Spans are exported over OTLP when an endpoint is configured; otherwise they
-are still created (context still propagates) and dropped.
+Traces: OpenTelemetry, with W3C ``traceparent`` carried in gRPC metadata, so a request is one
+trace across gateway, encoder, prefill and decode: every handler runs in a SERVER span that
+continues the caller's trace (:func:`server_span`, applied by ``epd.rpc.rpc_method``), and every
+stage call carries the current span's context (:func:`trace_metadata`). Spans are exported over
+OTLP when an endpoint is configured; otherwise they are still created (context still
+propagates) and dropped.
+
+Not the OTel gRPC interceptors: on server streams their context detaches in another Context
+("Failed to detach context" on every streamed call), and wrapping every streamed message cost
+the gateway milliseconds per request (``python -m bench --only gateway_overhead``).
 
 Metrics: Prometheus, all named ``epd_*`` (no colons), latencies in vLLM's vocabulary: TTFT,
 TPOT, ITL, E2EL.
@@ -13,7 +19,7 @@ from __future__ import annotations
 
 import logging
 
-from opentelemetry import trace
+from opentelemetry import propagate, trace
 from prometheus_client import Counter, Gauge, Histogram
 
 logger = logging.getLogger(__name__)
@@ -27,6 +33,9 @@ TPOT_SECONDS = Histogram("epd_tpot_seconds", "Mean time per output token after t
 ITL_SECONDS = Histogram("epd_itl_seconds", "Inter-token latency between streamed deltas", buckets=_LATENCY_BUCKETS)
 E2EL_SECONDS = Histogram("epd_e2el_seconds", "End-to-end request latency, seen by the gateway", buckets=_LATENCY_BUCKETS)
 IN_FLIGHT = Gauge("epd_requests_in_flight", "Requests being served", ["service"])
+STAGE_INSTANCE_UP = Gauge("epd_stage_instance_up", "1 while the gateway routes to a stage instance, 0 while it is down or ejected", ["stage", "address"])
+STAGE_EJECTIONS = Counter("epd_stage_ejections_total", "Stage instances taken out of the gateway's rotation after a failed call", ["stage"])
+RETRIES = Counter("epd_gateway_retries_total", "Requests retried on other instances after a stage failed before the first token", ["stage"])
 ENCODER_ITEMS = Counter("epd_encoder_items_total", "Media items encoded, by modality", ["modality"])
 ENCODER_SECONDS = Histogram(
     "epd_encoder_seconds", "Encode call time (decode, vLLM processor and tower), per item, by modality", ["modality"], buckets=_LATENCY_BUCKETS
@@ -59,6 +68,20 @@ def configure_tracing(service_name: str, otlp_endpoint: str | None) -> None:
 
 def tracer(name: str) -> trace.Tracer:
     return trace.get_tracer(name)
+
+
+def server_span(full_method: str, invocation_metadata):
+    """The SERVER span of one RPC (``/package.Service/Method``), a child of the caller's span
+    when its metadata carries one; use as a context manager around the handler."""
+    parent = propagate.extract({key: value for key, value in invocation_metadata or ()})
+    return trace.get_tracer(__name__).start_as_current_span(full_method, context=parent, kind=trace.SpanKind.SERVER)
+
+
+def trace_metadata() -> tuple[tuple[str, str], ...]:
+    """gRPC metadata carrying the current span's context to the next hop."""
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return tuple(carrier.items())
 
 
 def start_metrics_server(port: int | None, host: str) -> int | None:

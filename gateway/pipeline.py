@@ -15,6 +15,7 @@ processor in each engine expands the placeholders.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import enum
 import logging
@@ -24,11 +25,12 @@ from collections.abc import AsyncIterator
 
 from epd import telemetry, wire
 from epd.domain import EncodedItem, EngineRequest, FinishReason, GenerateRequest
-from epd.errors import FieldViolation, InvalidArgument
+from epd.errors import FieldViolation, InvalidArgument, Unavailable
 from epd.media import MediaLimits, check_modalities, check_sizes_and_types
 from epd.media.decode import MediaDecoder, vllm_input
 from epd.prompt import PromptRenderer
-from gateway.stages import DecodeClient, Delta, EncoderClient, Leases, PrefillClient
+from gateway.router import RetryPolicy
+from gateway.stages import DecodeClient, Delta, EncoderClient, Leases, PrefillClient, StageFailed, time_left
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +125,7 @@ class DisaggregatedPipeline:
         prefills: PrefillClient | None,
         decodes: DecodeClient,
         *,
+        retry: RetryPolicy,
         forward_media: bool = False,
     ):
         self.mode = mode
@@ -131,6 +134,7 @@ class DisaggregatedPipeline:
         self.encoders = encoders
         self.prefills = prefills
         self.decodes = decodes
+        self.retry = retry
         # The benchmarks' baseline: later stages get every item's media and lay it out from it.
         self.forward_media = forward_media
 
@@ -140,16 +144,45 @@ class DisaggregatedPipeline:
                 await client.pool.close()
 
     async def generate(self, request: GenerateRequest, deadline: float | None) -> AsyncIterator[Event]:
+        """Runs the request, retrying it from the encoder on other instances when a stage
+        fails before the first token (see :class:`RetryPolicy`); after the first token a
+        failure ends the stream, saying how many tokens were sent."""
         clock = _Clock()
         check_media(request, self.limits)
-        prompt_ids = self.renderer.render(request.messages)
+        # Rendering a long prompt takes a while: never on the event loop other streams share.
+        prompt_ids = await asyncio.to_thread(self.renderer.render, request.messages)
+        avoid: set[str] = set()
+        for attempt in range(1, self.retry.max_attempts + 1):
+            try:
+                async with contextlib.aclosing(self._attempt(request, prompt_ids, clock, frozenset(avoid), deadline)) as events:
+                    async for event in events:
+                        yield event
+                return
+            except Unavailable as exc:
+                if clock.tokens:
+                    raise Unavailable(f"{exc.message} (after {clock.tokens} tokens were sent)") from exc
+                delay = self.retry.delay(attempt)
+                left = time_left(deadline)
+                if attempt == self.retry.max_attempts or (left is not None and left <= delay):
+                    raise
+                stage = getattr(exc, "stage", "routing")
+                if isinstance(exc, StageFailed):
+                    avoid.add(exc.address)
+                logger.warning("request %s: attempt %d failed before its first token (%s); retrying", request.request_id, attempt, exc.message)
+                telemetry.RETRIES.labels(stage=stage).inc()
+                await asyncio.sleep(delay)
+
+    async def _attempt(
+        self, request: GenerateRequest, prompt_ids: list[int], clock: _Clock, avoid: frozenset[str], deadline: float | None
+    ) -> AsyncIterator[Event]:
         leases = Leases()
         completed = False
         try:
             items: list[EncodedItem] = []
             if request.media:
-                items = await self.encoders.encode(request.request_id, request.media, wire.media_paths(request), leases, deadline)
-                clock.timings.encode = clock.since_start()
+                started = time.perf_counter()
+                items = await self.encoders.encode(request.request_id, request.media, wire.media_paths(request), leases, deadline, avoid)
+                clock.timings.encode = time.perf_counter() - started
             if self.forward_media or any(item.metadata.layout_needs_media for item in items):
                 # vLLM 0.32 cannot mix metadata-only and raw items in one prompt (its processor
                 # then misses the metadata-only ones), so one item that needs its media sends all.
@@ -157,11 +190,11 @@ class DisaggregatedPipeline:
             engine_request = EngineRequest(request.request_id, tuple(prompt_ids), tuple(items), request.sampling)
             if self.prefills is not None:
                 started = time.perf_counter()
-                handoff = await self.prefills.prefill(engine_request, deadline)
+                handoff = await self.prefills.prefill(engine_request, deadline, avoid)
                 clock.timings.prefill = time.perf_counter() - started
                 engine_request = dataclasses.replace(engine_request, kv_handoff=handoff)
             started = time.perf_counter()
-            async for event in self.decodes.decode(engine_request, deadline):
+            async for event in self.decodes.decode(engine_request, deadline, avoid):
                 if isinstance(event, Delta):
                     clock.token(len(event.token_ids))
                     yield event

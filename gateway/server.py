@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 from epd.engine import Engine, EngineConfig, EngineRole
@@ -9,9 +10,9 @@ from epd.media import MediaLimits
 from epd.media.decode import MediaDecoder
 from epd.prompt import PromptRenderer
 from epd.server import GrpcHost, ServerConfig, run_service
-from epd.v1 import decode_pb2_grpc, encoder_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2_grpc
+from epd.v1 import decode_pb2, decode_pb2_grpc, encoder_pb2, encoder_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from gateway.pipeline import DisaggregatedPipeline, Mode, MonolithicPipeline
-from gateway.router import StagePool
+from gateway.router import RetryPolicy, StagePool
 from gateway.servicer import GatewayServicer
 from gateway.stages import DecodeClient, EncoderClient, PrefillClient
 
@@ -24,20 +25,35 @@ class GatewayConfig:
     prefills: tuple[str, ...] = ()
     decodes: tuple[str, ...] = ()
     limits: MediaLimits = MediaLimits()
+    retry: RetryPolicy = RetryPolicy()
     forward_media: bool = False  # benchmarks' media-forwarding baseline
 
 
-def _disaggregated(config: GatewayConfig) -> DisaggregatedPipeline:
+def _disaggregated(config: GatewayConfig, host: GrpcHost) -> DisaggregatedPipeline:
+    """The stage clients, their pools watching every instance's health; the gateway is ready
+    while every stage it uses has an instance that can take work."""
+    pools: list[StagePool] = []
+
+    def follow_stages() -> None:
+        asyncio.get_running_loop().create_task(host.set_serving(all(pool.available for pool in pools)))
+
+    def pool(stage: str, addresses: tuple[str, ...], pb2, service: str, stub_class) -> StagePool:
+        health_service = pb2.DESCRIPTOR.services_by_name[service].full_name
+        pools.append(StagePool(stage, list(addresses), stub_class, health_service=health_service, on_availability_change=follow_stages))
+        pools[-1].watch_health()
+        return pools[-1]
+
     prefills = None
     if config.mode is Mode.EPD:
-        prefills = PrefillClient(StagePool("prefill", list(config.prefills), prefill_pb2_grpc.PrefillServiceStub))
+        prefills = PrefillClient(pool("prefill", config.prefills, prefill_pb2, "PrefillService", prefill_pb2_grpc.PrefillServiceStub))
     return DisaggregatedPipeline(
         config.mode,
         PromptRenderer(config.model),
         config.limits,
-        encoders=EncoderClient(StagePool("encoder", list(config.encoders), encoder_pb2_grpc.EncoderServiceStub)),
+        encoders=EncoderClient(pool("encoder", config.encoders, encoder_pb2, "EncoderService", encoder_pb2_grpc.EncoderServiceStub)),
         prefills=prefills,
-        decodes=DecodeClient(StagePool("decode", list(config.decodes), decode_pb2_grpc.DecodeServiceStub)),
+        decodes=DecodeClient(pool("decode", config.decodes, decode_pb2, "DecodeService", decode_pb2_grpc.DecodeServiceStub)),
+        retry=config.retry,
         forward_media=config.forward_media,
     )
 
@@ -53,7 +69,7 @@ async def serve(config: GatewayConfig, server: ServerConfig, engine_config: Engi
 
     def on_ready(engine: Engine | None) -> None:
         if engine is None:
-            servicer.pipeline = _disaggregated(config)
+            servicer.pipeline = _disaggregated(config, host)
         else:
             decoder = MediaDecoder.for_model(config.model, config.limits)
             servicer.pipeline = MonolithicPipeline(PromptRenderer(config.model), config.limits, decoder, engine)

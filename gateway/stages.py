@@ -16,6 +16,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry.trace import SpanKind
 
 from epd import telemetry, wire
 from epd.domain import EncodedItem, EngineRequest, FinishReason, KvHandoff, MediaInput, NixlLocation
@@ -39,6 +40,25 @@ def time_left(deadline: float | None) -> float | None:
     return left
 
 
+class StageFailed(Unavailable):
+    """A stage instance could not serve a call (down, draining, unreachable, or a peer it
+    needed was): the pipeline may retry the request on other instances before its first token."""
+
+    def __init__(self, stage: str, address: str, message: str):
+        super().__init__(message)
+        self.stage = stage
+        self.address = address
+
+
+def _stage_error(pool: StagePool, address: str, exc: grpc.aio.AioRpcError) -> EpdError:
+    """The domain error for a failed call; an UNAVAILABLE instance leaves the rotation."""
+    error = from_rpc_error(exc, peer=f"{pool.stage} {address}")
+    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+        return error
+    pool.eject(address, exc.details() or "UNAVAILABLE")
+    return StageFailed(pool.stage, address, error.message)
+
+
 class Leases:
     """Embedding leases a request was granted, by encoder address, until a consumer reads them."""
 
@@ -54,21 +74,24 @@ class EncoderClient:
     def __init__(self, pool: StagePool):
         self.pool = pool
 
-    async def encode(self, request_id: str, media: list[MediaInput], paths: list[str], leases: Leases, deadline: float | None) -> list[EncodedItem]:
+    async def encode(
+        self, request_id: str, media: list[MediaInput], paths: list[str], leases: Leases, deadline: float | None, avoid: frozenset[str] = frozenset()
+    ) -> list[EncodedItem]:
         """Encodes the items over the encoder instances (one call per chosen instance, in
-        parallel), in order; every lease granted is recorded in ``leases``, even on failure."""
+        parallel), in order; every lease granted is recorded in ``leases``, even on failure.
+        Instances in ``avoid`` (they failed this request before) are picked only as a last resort."""
         groups: dict[str, list[int]] = defaultdict(list)
         for index in range(len(media)):
-            groups[self.pool.pick()].append(index)
+            groups[self.pool.pick(avoid)].append(index)
         results: list[EncodedItem | None] = [None] * len(media)
 
         async def call(address: str, indices: list[int]) -> None:
             message = encoder_pb2.EncodeRequest(request_id=request_id, items=[wire.media_item_to_wire(media[i]) for i in indices])
-            with self.pool.busy(address) as stub, _tracer.start_as_current_span("encode"):
+            with self.pool.busy(address) as stub, _tracer.start_as_current_span("encode", kind=SpanKind.CLIENT):
                 try:
-                    response = await stub.Encode(message, timeout=time_left(deadline))
+                    response = await stub.Encode(message, timeout=time_left(deadline), metadata=telemetry.trace_metadata())
                 except grpc.aio.AioRpcError as exc:
-                    raise _remap_item_fields(from_rpc_error(exc, peer=f"encoder {address}"), [paths[i] for i in indices]) from exc
+                    raise _remap_item_fields(_stage_error(self.pool, address, exc), [paths[i] for i in indices]) from exc
             for i, item in zip(indices, wire.encoded_items_from_wire(response.items), strict=True):
                 results[i] = item
                 leases.add(address, item)
@@ -93,13 +116,13 @@ class PrefillClient:
     def __init__(self, pool: StagePool):
         self.pool = pool
 
-    async def prefill(self, request: EngineRequest, deadline: float | None) -> KvHandoff:
-        address = self.pool.pick()
-        with self.pool.busy(address) as stub, _tracer.start_as_current_span("prefill"):
+    async def prefill(self, request: EngineRequest, deadline: float | None, avoid: frozenset[str] = frozenset()) -> KvHandoff:
+        address = self.pool.pick(avoid)
+        with self.pool.busy(address) as stub, _tracer.start_as_current_span("prefill", kind=SpanKind.CLIENT):
             try:
-                response = await stub.Prefill(wire.prefill_request_to_wire(request), timeout=time_left(deadline))
+                response = await stub.Prefill(wire.prefill_request_to_wire(request), timeout=time_left(deadline), metadata=telemetry.trace_metadata())
             except grpc.aio.AioRpcError as exc:
-                raise from_rpc_error(exc, peer=f"prefill {address}") from exc
+                raise _stage_error(self.pool, address, exc) from exc
         return wire.kv_handoff_from_wire(response.kv_handoff)
 
 
@@ -121,12 +144,12 @@ class DecodeClient:
     def __init__(self, pool: StagePool):
         self.pool = pool
 
-    async def decode(self, request: EngineRequest, deadline: float | None) -> AsyncIterator[Delta | DecodeEnd]:
+    async def decode(self, request: EngineRequest, deadline: float | None, avoid: frozenset[str] = frozenset()) -> AsyncIterator[Delta | DecodeEnd]:
         """Streams the decode stage's tokens, then one :class:`DecodeEnd`; leaving early
         cancels the call, which aborts the engine request."""
-        address = self.pool.pick()
-        with self.pool.busy(address) as stub, _tracer.start_as_current_span("decode"):
-            call = stub.Decode(wire.decode_request_to_wire(request), timeout=time_left(deadline))
+        address = self.pool.pick(avoid)
+        with self.pool.busy(address) as stub, _tracer.start_as_current_span("decode", kind=SpanKind.CLIENT):
+            call = stub.Decode(wire.decode_request_to_wire(request), timeout=time_left(deadline), metadata=telemetry.trace_metadata())
             try:
                 async for response in call:
                     if response.token_ids:
@@ -135,10 +158,10 @@ class DecodeClient:
                         yield DecodeEnd(wire.finish_reason_from_wire(response.finish_reason), response.prompt_token_count)
                         return
             except grpc.aio.AioRpcError as exc:
-                raise from_rpc_error(exc, peer=f"decode {address}") from exc
+                raise _stage_error(self.pool, address, exc) from exc
             finally:
                 call.cancel()  # no-op once done
-        raise Unavailable(f"decode {address} ended its stream without a finish reason")
+        raise StageFailed("decode", address, f"decode {address} ended its stream without a finish reason")
 
 
 def _remap_item_fields(error: EpdError, paths: list[str]) -> EpdError:

@@ -1,0 +1,145 @@
+"""Fault experiments: SIGKILL one instance of a stage under steady load, then restart it.
+
+One E/P/D deployment of the tiny Qwen2.5-VL with two encoders, two prefills and two decodes
+behind one gateway, all on loopback. A closed loop of ``concurrency`` clients keeps sending
+one-image requests (16 output tokens) through the gateway. Per scenario:
+
+- ``encoder`` / ``prefill``: SIGKILL the second instance mid-load; keep the load on; restart it at
+  the same address; keep the load on until it has served again. Goal: 0 failed requests.
+  Reported: time to eject (the kill until the gateway's ``epd_stage_instance_up`` for it reads 0),
+  time to rejoin (the restarted process's readiness until that gauge reads 1), failures.
+- ``decode``: SIGKILL the second decode mid-load. Reported: streams in flight on it that ended
+  (with UNAVAILABLE saying how many tokens were sent: those cannot be retried), the time from
+  the kill to the next successful request, and failures among requests started after the kill
+  (goal 0).
+
+Every successful request's tokens are checked against the first answer to the same request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pathlib
+import time
+from typing import Any
+
+import grpc
+
+from bench.common import RESULTS_DIR, progress, summarize, write_result
+from bench.workload import Sent, closed_loop
+from epd.client import chat_request, generate
+from epd.launcher import ServiceProcess, Stack, gateway_args
+from epd.server import CLIENT_OPTIONS
+from epd.telemetry import scrape
+from epd.testing import synthetic_image_png
+from epd.v1 import gateway_pb2_grpc
+
+NAME = "faults"
+FAMILY = "qwen2_5_vl"
+SCENARIOS = ("encoder", "prefill", "decode")
+CONCURRENCY = 8
+OUTPUT_TOKENS = 16
+LOAD_S = 8.0  # before the kill, and again after the restart
+QUICK_LOAD_S = 3.0
+_POLL_S = 0.05
+
+
+def _requests(count: int = 8) -> list:
+    return [
+        chat_request([(synthetic_image_png(112 + 16 * i, 112, seed=900 + i), "image/png"), f"What is in picture {i}?"], max_tokens=OUTPUT_TOKENS, min_tokens=OUTPUT_TOKENS)
+        for i in range(count)
+    ]
+
+
+def _instance_up(gateway: ServiceProcess, stage: str, address: str) -> float | None:
+    return scrape(gateway.metrics_port).get(f"epd_stage_instance_up{{address={address},stage={stage}}}")
+
+
+async def _wait_gauge(gateway: ServiceProcess, stage: str, address: str, wanted: float, timeout: float) -> float | None:
+    """Seconds until the gateway's view of the instance reads ``wanted`` (None: never)."""
+    started = time.perf_counter()
+    while time.perf_counter() - started < timeout:
+        if _instance_up(gateway, stage, address) == wanted:
+            return time.perf_counter() - started
+        await asyncio.sleep(_POLL_S)
+    return None
+
+
+def _start(stack: Stack, model: str) -> dict[str, ServiceProcess]:
+    services = {}
+    for stage, args in (("encoder", ["encoder"]), ("prefill", ["prefill"]), ("decode", ["decode", "--mode", "decode"])):
+        for index in range(2):
+            services[f"{stage}{index}"] = stack.start(f"{stage}{index}", [*args, "--model", model, "--metrics-port", "0"])
+    stack.wait_ready(list(services.values()), timeout=900)
+    addresses = {stage: [services[f"{stage}{i}"].address for i in range(2)] for stage in ("encoder", "prefill", "decode")}
+    args = gateway_args(model, "epd", encoders=addresses["encoder"], prefills=addresses["prefill"], decodes=addresses["decode"], extra=["--metrics-port", "0"])
+    services["gateway"] = stack.start("gateway", args)
+    stack.wait_ready([services["gateway"]], timeout=300)
+    return services
+
+
+def _restart_args(victim: ServiceProcess, stage: str, model: str) -> list[str]:
+    args = {"encoder": ["encoder"], "prefill": ["prefill"], "decode": ["decode", "--mode", "decode"]}[stage]
+    return [*args, "--model", model, "--port", str(victim.port), "--metrics-port", "0"]
+
+
+async def _scenario(stack: Stack, services: dict[str, ServiceProcess], stage: str, model: str, stub, requests, expected: dict, load_s: float) -> dict[str, Any]:
+    gateway, victim = services["gateway"], services[f"{stage}1"]
+    log: list[Sent] = []
+    stop = asyncio.Event()
+    load = asyncio.create_task(closed_loop(stub, requests, CONCURRENCY, log, until=stop.is_set))
+    await asyncio.sleep(load_s)
+    killed_at = time.perf_counter()
+    victim.process.kill()
+    eject_s = await _wait_gauge(gateway, stage, victim.address, 0.0, 30)
+    victim.process.wait(30)
+    stack.services.remove(victim)
+    result: dict[str, Any] = {"stage": stage, "eject_s": eject_s}
+    if stage == "decode":
+        await asyncio.sleep(load_s)
+    else:
+        reborn = stack.start(f"{stage}1-restarted", _restart_args(victim, stage, model))
+        await asyncio.to_thread(stack.wait_ready, [reborn], 900)
+        result["rejoin_s"] = await _wait_gauge(gateway, stage, reborn.address, 1.0, 60)
+        services[f"{stage}1"] = reborn
+        await asyncio.sleep(load_s)
+    stop.set()
+    await load
+    failed = [s for s in log if not s.record.ok]
+    wrong = [s for s in log if s.record.ok and list(s.record.token_ids) != expected[s.index]]
+    after_kill = [s for s in log if s.started > killed_at]
+    first_success = min((s.ended for s in after_kill if s.record.ok), default=None)
+    result.update(
+        requests=len(log),
+        failed=len(failed),
+        errors=sorted({s.record.error for s in failed})[:5],
+        failed_started_after_kill=sum(1 for s in after_kill if not s.record.ok),
+        ended_in_flight=sum(1 for s in failed if s.started <= killed_at),
+        first_success_after_kill_s=None if first_success is None else first_success - killed_at,
+        e2el_ms=summarize([s.record.e2el_s * 1e3 for s in log if s.record.ok]),
+        wrong_tokens=len(wrong),
+    )
+    progress(f"{NAME}: {stage}: {result['failed']} of {result['requests']} failed, eject {eject_s}, rejoin {result.get('rejoin_s')}")
+    return result
+
+
+def run(*, quick: bool = False, results_dir: pathlib.Path = RESULTS_DIR, command: str) -> pathlib.Path:
+    from epd.checkpoints import ensure_tiny_checkpoint
+
+    model = str(ensure_tiny_checkpoint(FAMILY, pathlib.Path(__file__).resolve().parents[1] / "checkpoints"))
+    load_s = QUICK_LOAD_S if quick else LOAD_S
+    requests = _requests()
+
+    async def experiment() -> list[dict[str, Any]]:
+        stack = Stack()
+        try:
+            services = await asyncio.to_thread(_start, stack, model)
+            async with grpc.aio.insecure_channel(services["gateway"].address, options=CLIENT_OPTIONS) as channel:
+                stub = gateway_pb2_grpc.GatewayServiceStub(channel)
+                expected = {i: (await generate(stub, r, timeout=120)).token_ids for i, r in enumerate(requests)}
+                return [await _scenario(stack, services, stage, model, stub, requests, expected, load_s) for stage in SCENARIOS]
+        finally:
+            await asyncio.to_thread(stack.stop)
+
+    results = asyncio.run(experiment())
+    return write_result(NAME, {"model": model, "concurrency": CONCURRENCY, "output_tokens": OUTPUT_TOKENS, "load_s": load_s, "results": results}, command=command, results_dir=results_dir)

@@ -1,0 +1,174 @@
+"""Losing one instance of a stage loses no request (issue 9's kill tests, short form).
+
+Next to the shared Qwen2.5-VL stack, the tests start a second encoder, prefill and decode and
+kill them with SIGKILL under load: requests in flight on a killed encoder or prefill are retried
+on the survivors before their first token, so none fails and all tokens equal monolithic; the
+gateway stops routing to the dead instance, says NOT_SERVING when a stage has none left, and
+takes a restarted instance (same address) back by itself. A decode killed mid-stream ends its
+stream promptly with UNAVAILABLE saying how many tokens were sent; later requests are served.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from epd.client import chat_request, generate
+from epd.launcher import gateway_args
+from epd.telemetry import scrape
+from epd.testing import synthetic_image_png
+from tests.helpers import encode_then_prefill, gateway_stub, wait_for_metric
+
+_IMAGES = [synthetic_image_png(96 + 16 * i, 96, seed=500 + i) for i in range(4)]
+_REQUESTS = 24
+_CONCURRENCY = 8
+
+
+def _request(index: int, max_tokens: int = 8):
+    return chat_request([(_IMAGES[index % len(_IMAGES)], "image/png"), f"Picture {index % len(_IMAGES)}."], max_tokens=max_tokens, min_tokens=max_tokens)
+
+
+async def _oracle(family_stack) -> list[list[int]]:
+    stub = family_stack.gateway_stub("monolithic")
+    return [(await generate(stub, _request(i), timeout=120)).token_ids for i in range(len(_IMAGES))]
+
+
+async def _readiness(address: str, service: str = "epd.v1.GatewayService") -> int:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return (await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)).status
+
+
+async def _wait_readiness(address: str, wanted: int, timeout: float = 20.0) -> int:
+    deadline = time.monotonic() + timeout
+    while (status := await _readiness(address)) != wanted and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+    return status
+
+
+def _counter(metrics_port: int, name: str) -> float:
+    return scrape(metrics_port).get(name, 0.0)
+
+
+async def test_killing_an_encoder_and_a_prefill_under_load_fails_no_request(family_stack):
+    oracle = await _oracle(family_stack)
+    stack, model = family_stack.stack, family_stack.model
+    spare_encoder = stack.start("encoder-spare", ["encoder", "--model", model, "--metrics-port", "0"])
+    spare_prefill = stack.start("prefill-spare", ["prefill", "--model", model])
+    extra = [spare_encoder, spare_prefill]
+    try:
+        stack.wait_ready(extra, timeout=600)
+        both = gateway_args(
+            model,
+            "epd",
+            encoders=[family_stack.encoder.address, spare_encoder.address],
+            prefills=[family_stack.prefill.address, spare_prefill.address],
+            decodes=[family_stack.decode.address],
+            extra=["--metrics-port", "0"],
+        )
+        # A gateway whose only encoder is the spare: its readiness must follow that encoder.
+        spare_only = gateway_args(model, "epd", encoders=[spare_encoder.address], prefills=[family_stack.prefill.address], decodes=[family_stack.decode.address])
+        gateway, lonely = stack.start("gateway-failover", both), stack.start("gateway-spare-only", spare_only)
+        extra += [gateway, lonely]
+        stack.wait_ready([gateway, lonely], timeout=120)
+        stub = gateway_stub(gateway.address)
+
+        done = 0
+        kills = {4: spare_encoder, 10: spare_prefill}  # after this many completions, SIGKILL
+
+        async def one(index: int) -> list[int]:
+            nonlocal done
+            result = await generate(stub, _request(index), timeout=120)
+            done += 1
+            if done in kills:
+                kills.pop(done).process.kill()
+            return result.token_ids
+
+        semaphore = asyncio.Semaphore(_CONCURRENCY)
+
+        async def bounded(index: int):
+            async with semaphore:
+                return await one(index)
+
+        outcomes = await asyncio.gather(*(bounded(i) for i in range(_REQUESTS)), return_exceptions=True)
+        failures = [o for o in outcomes if isinstance(o, BaseException)]
+        assert not failures, failures[:3]
+        assert all(tokens == oracle[i % len(_IMAGES)] for i, tokens in enumerate(outcomes))
+        assert not kills  # both instances were killed while requests were running
+        assert _counter(gateway.metrics_port, "epd_stage_ejections_total") >= 1
+
+        # The gateway with live instances of every stage stays ready; the one without is not.
+        assert await _readiness(gateway.address) == health_pb2.HealthCheckResponse.SERVING
+        assert await _wait_readiness(lonely.address, health_pb2.HealthCheckResponse.NOT_SERVING) == health_pb2.HealthCheckResponse.NOT_SERVING
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await generate(gateway_stub(lonely.address), _request(0), timeout=30)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "no live encoder" in refused.value.details()
+
+        # A restarted encoder at the same address rejoins without touching the gateways.
+        spare_encoder.process.wait(30)
+        port = spare_encoder.port
+        reborn = stack.start("encoder-reborn", ["encoder", "--model", model, "--port", str(port), "--metrics-port", "0"])
+        extra.append(reborn)
+        stack.wait_ready([reborn], timeout=600)
+        assert await _wait_readiness(lonely.address, health_pb2.HealthCheckResponse.SERVING) == health_pb2.HealthCheckResponse.SERVING
+        result = await generate(gateway_stub(lonely.address), _request(1), timeout=120)
+        assert result.token_ids == oracle[1]
+        for i in range(4):  # the shared gateway spreads over both encoders again
+            assert (await generate(stub, _request(i), timeout=120)).token_ids == oracle[i]
+        assert _counter(reborn.metrics_port, "epd_encoder_items_total") >= 3
+    finally:
+        for service in extra:
+            service.stop()
+            stack.services.remove(service)
+
+
+async def test_a_decode_killed_mid_stream_ends_its_stream_and_later_requests_are_served(family_stack):
+    oracle = await _oracle(family_stack)
+    stack, model = family_stack.stack, family_stack.model
+    doomed = stack.start("decode-doomed", ["decode", "--model", model, "--mode", "decode"])
+    gateway = None
+    try:
+        stack.wait_ready([doomed], timeout=600)
+        # The doomed decode is listed first: ties rotate from the first address, so it gets the
+        # gateway's first request.
+        args = gateway_args(model, "epd", encoders=[family_stack.encoder.address], prefills=[family_stack.prefill.address], decodes=[doomed.address, family_stack.decode.address])
+        gateway = stack.start("gateway-decode-failover", args)
+        stack.wait_ready([gateway], timeout=120)
+        stub = gateway_stub(gateway.address)
+        stream = stub.Generate(_request(2, max_tokens=200), timeout=120)
+        first = await stream.read()
+        assert first.HasField("delta") and first.delta.token_ids
+        doomed.process.kill()
+        killed = time.monotonic()
+        with pytest.raises(grpc.aio.AioRpcError) as ended:
+            while (response := await stream.read()) is not grpc.aio.EOF:
+                assert not response.HasField("finished"), "the stream finished on a dead decode"
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "tokens were sent" in ended.value.details()
+        assert time.monotonic() - killed < 10
+        for i in range(2):
+            assert (await generate(stub, _request(i), timeout=120)).token_ids == oracle[i]
+    finally:
+        for service in (doomed, gateway):
+            if service is not None:
+                service.stop()
+                stack.services.remove(service)
+
+
+async def test_prefills_never_decoded_free_their_kv_within_the_lease(family_stack):
+    """A peer that calls Prefill and never decodes cannot pin the KV cache: vLLM frees the
+    blocks once the handoff's lease (``--kv-lease-s``, 10 s by default) runs out."""
+    port = family_stack.prefill.metrics_port
+    usage = "vllm:kv_cache_usage_perc"
+    assert await wait_for_metric(port, usage, 0.0, timeout=30) == 0.0
+    long_text = " ".join(f"word{i}" for i in range(600))
+    for seed in range(4):
+        assert await encode_then_prefill(family_stack, [(synthetic_image_png(128, 128, seed=700 + seed), "image/png"), long_text]) is None
+    held = scrape(port)[usage]
+    assert held > 0  # the finished prefills' KV waits for a decode...
+    started = time.monotonic()
+    assert await wait_for_metric(port, usage, 0.0, timeout=40) == 0.0  # ...but not for long
+    assert time.monotonic() - started < 25
