@@ -7,6 +7,7 @@ W3C trace context to every stage.
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 
 import grpc
@@ -17,13 +18,15 @@ from epd.server import CLIENT_OPTIONS
 class StagePool:
     """The instances of one stage (encoder, prefill or decode)."""
 
-    def __init__(self, stage: str, addresses: list[str], stub_class):
+    def __init__(self, stage: str, addresses: list[str], stub_class, *, credentials: grpc.ChannelCredentials | None = None):
         from opentelemetry.instrumentation.grpc import aio_client_interceptors
 
         if not addresses:
             raise ValueError(f"no addresses for the {stage} stage")
         self.stage = stage
-        self._channels = {a: grpc.aio.insecure_channel(a, options=CLIENT_OPTIONS, interceptors=aio_client_interceptors()) for a in addresses}
+        # credentials from epd.security.channel_credentials (TLS/mTLS); None: plaintext.
+        open_channel = grpc.aio.insecure_channel if credentials is None else functools.partial(grpc.aio.secure_channel, credentials=credentials)
+        self._channels = {a: open_channel(a, options=CLIENT_OPTIONS, interceptors=aio_client_interceptors()) for a in addresses}
         self._stubs = {a: stub_class(channel) for a, channel in self._channels.items()}
         self._in_flight = dict.fromkeys(addresses, 0)
         self._turn = itertools.count()
