@@ -4,7 +4,7 @@ Subcommands: ``encoder``, ``prefill``, ``decode``, ``gateway`` (run one service)
 whole stack on loopback), ``generate`` (a streaming client) and ``build-checkpoint``.
 
 Service flags are derived from the config dataclasses (``EngineConfig``, ``EncoderConfig``,
-``MediaLimits``, ``ServerConfig``): a flag's name, type and default are its field's.
+``MediaLimits``, ``ServerConfig``, ``TlsConfig``): a flag's name, type and default are its field's.
 """
 
 from __future__ import annotations
@@ -43,7 +43,13 @@ _HELP = {
     "max_image_pixels": "per image and per video frame",
     "max_video_frames": "frames in the source video, before sampling",
     "max_audio_s": "the model's own window caps it too",
+    "tls_cert": "PEM certificate chain: this service's identity, served and presented to the peers it dials",
+    "tls_key": "PEM private key of --tls-cert",
+    "tls_ca": "PEM CA that signs peers: verifies the servers this dials (TLS to them) and, with --require-client-cert, its clients",
+    "require_client_cert": "mTLS: refuse clients without a certificate signed by --tls-ca",
 }
+_SERVER_TLS_FIELDS = ("tls_cert", "tls_key", "tls_ca", "require_client_cert")
+_CLIENT_TLS_FIELDS = ("tls_ca", "tls_cert", "tls_key")
 
 
 def _flags(parser: argparse.ArgumentParser, cls: type, names: Sequence[str]) -> None:
@@ -72,6 +78,13 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--otlp-endpoint", default=defaults.otlp_endpoint, help="export traces over OTLP/gRPC to this endpoint")
     p.add_argument("--drain-grace-s", type=float, default=defaults.grace_s, help="on SIGTERM, how long in-flight calls may finish")
     p.add_argument("--log-level", default="INFO")
+    _tls_flags(p, _SERVER_TLS_FIELDS)
+
+
+def _tls_flags(p: argparse.ArgumentParser, names: Sequence[str]) -> None:
+    from epd.security import TlsConfig
+
+    _flags(p, TlsConfig, names)
 
 
 def _engine_flags(p: argparse.ArgumentParser, *extra: Sequence[str]) -> None:
@@ -122,6 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="benchmarks' baseline: also send every item's media to prefill and decode, which lay it out from the media",
     )
     _flags(gw, _retry_policy_class(), ["max_attempts", "retry_backoff_s"])
+    gw.add_argument("--auth-token-file", default="", help="require 'authorization: Bearer <token>' (the file's content) on every call but health and reflection")
     _media_limit_flags(gw)
 
     up = sub.add_parser("up", help="build the tiny checkpoint if needed and run the whole stack on loopback")
@@ -139,6 +153,8 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--media", action="append", default=[], help="image, video or audio file, in prompt order (repeat for several)")
     gen.add_argument("--max-tokens", type=int, default=32)
     gen.add_argument("--temperature", type=float, default=0.0)
+    _tls_flags(gen, _CLIENT_TLS_FIELDS)
+    gen.add_argument("--auth-token-file", default="", help="send 'authorization: Bearer <token>' (the file's content); needs --tls-ca")
 
     ckpt = sub.add_parser("build-checkpoint", help="build a tiny random-weight checkpoint")
     ckpt.add_argument("--family", default=DEFAULT_FAMILY, choices=TINY_FAMILIES)
@@ -165,7 +181,13 @@ def _retry_policy_class():
 def _server_config(args):
     from epd.server import ServerConfig
 
-    return ServerConfig(host=args.host, **{field: getattr(args, flag) for field, flag in _SERVER_FIELDS.items()})
+    return ServerConfig(host=args.host, tls=_tls_config(args, _SERVER_TLS_FIELDS), **{field: getattr(args, flag) for field, flag in _SERVER_FIELDS.items()})
+
+
+def _tls_config(args, names: Sequence[str]):
+    from epd.security import TlsConfig
+
+    return TlsConfig(**_values(args, names))
 
 
 def _engine_config(args, *extra: Sequence[str]):
@@ -215,6 +237,7 @@ def _run_service(args) -> None:
             limits=_media_limits(args),
             retry=_retry_policy_class()(**_values(args, ["max_attempts", "retry_backoff_s"])),
             forward_media=args.forward_media,
+            auth_token_file=args.auth_token_file,
         )
         asyncio.run(serve(config, server, _engine_config(args)))
 
@@ -231,8 +254,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "generate":
         from epd.client import generate_cli
+        from epd.security import channel_credentials, read_token
 
-        return asyncio.run(generate_cli(args.gateway, args.prompt, [pathlib.Path(p) for p in args.media], args.max_tokens, args.temperature))
+        token = read_token(args.auth_token_file) if args.auth_token_file else None
+        credentials = channel_credentials(_tls_config(args, _CLIENT_TLS_FIELDS), token=token)
+        media = [pathlib.Path(p) for p in args.media]
+        return asyncio.run(generate_cli(args.gateway, args.prompt, media, args.max_tokens, args.temperature, credentials=credentials))
     from epd.launcher import up_cli
 
     return up_cli(args)

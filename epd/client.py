@@ -70,11 +70,21 @@ async def generate(stub: gateway_pb2_grpc.GatewayServiceStub, request: gateway_p
     return GenerateResult(token_ids, "".join(text), finished)
 
 
-async def generate_cli(address: str, prompt: str, media: list[pathlib.Path], max_tokens: int, temperature: float) -> int:
+def open_channel(address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
+    """A channel to a gateway; ``credentials`` from :func:`epd.security.channel_credentials`
+    (TLS, a client certificate, a bearer token), None for plaintext."""
+    if credentials is None:
+        return grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS)
+    return grpc.aio.secure_channel(address, credentials, options=CLIENT_OPTIONS)
+
+
+async def generate_cli(
+    address: str, prompt: str, media: list[pathlib.Path], max_tokens: int, temperature: float, *, credentials: grpc.ChannelCredentials | None = None
+) -> int:
     """Streams a reply for media files (image, video or audio, by file type) and a prompt."""
     parts: list = [(p.read_bytes(), mimetypes.guess_type(p.name)[0] or "application/octet-stream") for p in media]
     parts.append(prompt)
-    async with grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS) as channel:
+    async with open_channel(address, credentials) as channel:
         stub = gateway_pb2_grpc.GatewayServiceStub(channel)
         try:
             result = await generate(stub, chat_request(parts, max_tokens=max_tokens, temperature=temperature), on_delta=lambda d: print(d.text, end="", flush=True))

@@ -19,12 +19,14 @@ import logging
 import signal
 import sys
 import threading
+from collections.abc import Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from epd import telemetry
+from epd.security import TlsConfig, server_credentials
 
 logger = logging.getLogger(__name__)
 
@@ -55,17 +57,21 @@ class ServerConfig:
     metrics_port: int | None = None
     otlp_endpoint: str | None = None
     grace_s: float = 5.0
+    tls: TlsConfig = TlsConfig()  # plaintext unless a certificate is given
 
 
 class GrpcHost:
-    """An aio server with health, reflection and tracing, for one EPD service."""
+    """An aio server with health, reflection and tracing, for one EPD service.
 
-    def __init__(self, config: ServerConfig, *, service_name: str, full_service_name: str):
+    ``interceptors`` run before every handler (the gateway's token check: a refused call does no work).
+    """
+
+    def __init__(self, config: ServerConfig, *, service_name: str, full_service_name: str, interceptors: Sequence[grpc.aio.ServerInterceptor] = ()):
         telemetry.configure_tracing(service_name, config.otlp_endpoint)
         self.config = config
         self.service_name = service_name
         self.full_service_name = full_service_name
-        self.server = grpc.aio.server(options=GRPC_OPTIONS)
+        self.server = grpc.aio.server(interceptors=list(interceptors), options=GRPC_OPTIONS)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         reflection.enable_server_reflection(
@@ -76,7 +82,9 @@ class GrpcHost:
 
     async def start(self) -> None:
         """Listens; liveness SERVING, readiness NOT_SERVING until :meth:`set_ready`."""
-        self.port = self.server.add_insecure_port(f"{self.config.host}:{self.config.port}")
+        address = f"{self.config.host}:{self.config.port}"
+        tls = self.config.tls
+        self.port = self.server.add_secure_port(address, server_credentials(tls)) if tls.serves_tls else self.server.add_insecure_port(address)
         await self.server.start()
         await self._set_health(health_pb2.HealthCheckResponse.SERVING, liveness=True)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
@@ -89,7 +97,8 @@ class GrpcHost:
             "EPD_LISTENING " + json.dumps({"service": self.service_name, "port": self.port, "metrics_port": metrics_port}),
             flush=True,
         )
-        logger.info("%s listening on %s:%d (loading)", self.service_name, self.config.host, self.port)
+        transport = ("mTLS" if tls.require_client_cert else "TLS") if tls.serves_tls else "plaintext"
+        logger.info("%s listening on %s:%d, %s (loading)", self.service_name, self.config.host, self.port, transport)
 
     async def set_ready(self) -> None:
         await self._set_health(health_pb2.HealthCheckResponse.SERVING)

@@ -5,10 +5,13 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import grpc
+
 from epd.engine import Engine, EngineConfig, EngineRole
 from epd.media import MediaLimits
 from epd.media.decode import MediaDecoder
 from epd.prompt import PromptRenderer
+from epd.security import BearerTokenInterceptor, channel_credentials, read_token
 from epd.server import GrpcHost, ServerConfig, run_service
 from epd.v1 import decode_pb2, decode_pb2_grpc, encoder_pb2, encoder_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from gateway.pipeline import DisaggregatedPipeline, Mode, MonolithicPipeline
@@ -27,11 +30,13 @@ class GatewayConfig:
     limits: MediaLimits = MediaLimits()
     retry: RetryPolicy = RetryPolicy()
     forward_media: bool = False  # benchmarks' media-forwarding baseline
+    auth_token_file: str = ""  # clients must send this file's token; empty: no token required
 
 
-def _disaggregated(config: GatewayConfig, host: GrpcHost) -> DisaggregatedPipeline:
+def _disaggregated(config: GatewayConfig, host: GrpcHost, credentials: grpc.ChannelCredentials | None) -> DisaggregatedPipeline:
     """The stage clients, their pools watching every instance's health; the gateway is ready
-    while every stage it uses has an instance that can take work."""
+    while every stage it uses has an instance that can take work. ``credentials``: how to dial
+    the stages (None: plaintext)."""
     pools: list[StagePool] = []
 
     def follow_stages() -> None:
@@ -39,7 +44,9 @@ def _disaggregated(config: GatewayConfig, host: GrpcHost) -> DisaggregatedPipeli
 
     def pool(stage: str, addresses: tuple[str, ...], pb2, service: str, stub_class) -> StagePool:
         health_service = pb2.DESCRIPTOR.services_by_name[service].full_name
-        pools.append(StagePool(stage, list(addresses), stub_class, health_service=health_service, on_availability_change=follow_stages))
+        pools.append(
+            StagePool(stage, list(addresses), stub_class, health_service=health_service, credentials=credentials, on_availability_change=follow_stages)
+        )
         pools[-1].watch_health()
         return pools[-1]
 
@@ -60,7 +67,10 @@ def _disaggregated(config: GatewayConfig, host: GrpcHost) -> DisaggregatedPipeli
 
 async def serve(config: GatewayConfig, server: ServerConfig, engine_config: EngineConfig | None = None) -> None:
     """``engine_config`` is used in monolithic mode only."""
-    host = GrpcHost(server, service_name="gateway", full_service_name=gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name)
+    # Read before listening: a missing or empty token file stops the gateway at start.
+    interceptors = [BearerTokenInterceptor(read_token(config.auth_token_file))] if config.auth_token_file else []
+    full_name = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
+    host = GrpcHost(server, service_name="gateway", full_service_name=full_name, interceptors=interceptors)
     servicer = GatewayServicer(pipeline=None)
     gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, host.server)
     engine = None
@@ -69,7 +79,8 @@ async def serve(config: GatewayConfig, server: ServerConfig, engine_config: Engi
 
     def on_ready(engine: Engine | None) -> None:
         if engine is None:
-            servicer.pipeline = _disaggregated(config, host)
+            # Our own certificate doubles as the client certificate stages with mTLS require.
+            servicer.pipeline = _disaggregated(config, host, channel_credentials(server.tls))
         else:
             decoder = MediaDecoder.for_model(config.model, config.limits)
             servicer.pipeline = MonolithicPipeline(PromptRenderer(config.model), config.limits, decoder, engine)
