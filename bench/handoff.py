@@ -72,15 +72,16 @@ from bench.common import RESULTS_DIR, command_line, plot_lines, progress, summar
 from epd.domain import NixlLocation
 from epd.server import CLIENT_OPTIONS, GRPC_OPTIONS, MAX_MESSAGE_BYTES
 from epd.transport._agent import NixlAgent
-from epd.transport.arena import EmbeddingArena, SharedCounters
+from epd.transport.arena import EmbeddingArena, SharedCounters, generation_of
 from epd.transport.base import Read
 from epd.transport.ec_config import ConnectorConfig
 from epd.transport.ec_consumer import PAGE_BYTES, ConsumerScheduler
 from epd.transport.ec_params import ExpectedItem, expected_to_params
-from epd.transport.nixl import NixlPublisher, NixlReader, decode_descriptors
+from epd.transport.location import decode_descriptors
+from epd.transport.nixl import NixlPublisher, NixlReader
 from epd.transport.shared_buffer import SharedBuffer
 from epd.transport.slot_header import HEADER_BYTES, SlotHeader, SlotStatus, slot_bytes
-from epd.v1 import encoder_pb2, multimodal_pb2
+from epd.v1 import encoder_pb2, encoder_pb2_grpc, multimodal_pb2
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -178,7 +179,8 @@ class _Producer:
     def __init__(self, arena_bytes: int) -> None:
         self.buffer = SharedBuffer.create(f"bench-handoff-arena-{os.getpid()}", arena_bytes)
         self.arena = EmbeddingArena(self.buffer.tensor, slot_bytes=_SLOT_BYTES, lease_ttl_s=_LEASE_TTL_S)
-        self.publisher = NixlPublisher(self.buffer.tensor, agent_name=f"bench-handoff-producer-{os.getpid()}", listen_host="127.0.0.1")
+        self.publisher = NixlPublisher(self.buffer.tensor, agent_name=f"bench-handoff-producer-{os.getpid()}", bind_host="127.0.0.1")
+        self.encoder_address = ""  # its gRPC server's, once it listens (as the encoder service fills it in)
         self._bases: dict[int, torch.Tensor] = {}
 
     def publish(self, nbytes: int, stamps: Sequence[int]) -> list[NixlLocation]:
@@ -194,7 +196,8 @@ class _Producer:
             tensor[start : start + nbytes].copy_(base)
             tensor[start : start + _STAMP_BYTES].copy_(stamp_bytes(stamp))
             SlotHeader(SlotStatus.READY, _DTYPE, lease.generation, rows, width).pack_into(tensor, lease.offset)
-            locations.append(self.publisher.location(lease, self.arena.start_expiry(lease.lease_id)))
+            location = self.publisher.location(lease, self.arena.start_expiry(lease.lease_id))
+            locations.append(dataclasses.replace(location, encoder_address=self.encoder_address))
         return locations
 
     def leases(self) -> int:
@@ -240,19 +243,32 @@ async def _serve_inline(request: encoder_pb2.EncodeRequest, context: grpc.aio.Se
     return _RESPONSES[key]
 
 
+class _TransferMetadata(encoder_pb2_grpc.EncoderServiceServicer):
+    """The encoder's GetTransferMetadata: consumers get the producer's NIXL metadata over gRPC."""
+
+    def __init__(self, producer: _Producer) -> None:
+        self._credentials = producer.publisher.credentials
+
+    async def GetTransferMetadata(self, request, context):
+        c = self._credentials
+        return encoder_pb2.GetTransferMetadataResponse(agent_name=c.agent_name, agent_metadata=c.agent_metadata, location_key=c.location_key)
+
+
 async def _peer_async(conn: Connection, arena_bytes: int) -> None:
     producer = _Producer(arena_bytes)
     server = grpc.aio.server(options=GRPC_OPTIONS)
+    encoder_pb2_grpc.add_EncoderServiceServicer_to_server(_TransferMetadata(producer), server)
     handler = grpc.unary_unary_rpc_method_handler(
         _serve_inline, request_deserializer=encoder_pb2.EncodeRequest.FromString, response_serializer=encoder_pb2.EncodeResponse.SerializeToString
     )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(_GRPC_SERVICE, {"Fetch": handler}),))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
+    producer.encoder_address = f"127.0.0.1:{port}"
     commands: dict[str, Callable[..., Any]] = {"publish": producer.publish, "leases": producer.leases}
     loop = asyncio.get_running_loop()
     try:
-        conn.send(("ready", {"grpc_port": port, "agent_name": producer.publisher.agent_name, "agent_address": producer.publisher.address}))
+        conn.send(("ready", {"grpc_port": port, "agent_name": producer.publisher.agent_name}))
         while True:
             # Waiting on the pipe in a thread keeps this loop free to serve gRPC meanwhile.
             try:
@@ -290,7 +306,6 @@ class _Peer:
             raise
         self.grpc_port: int = info["grpc_port"]
         self.agent_name: str = info["agent_name"]
-        self.agent_address: str = info["agent_address"]
 
     def publish(self, nbytes: int, stamps: Sequence[int]) -> list[NixlLocation]:
         self._conn.send(("publish", (nbytes, list(stamps))))
@@ -385,7 +400,7 @@ class _Consumers:
         raw_buffer = SharedBuffer.create(f"bench-handoff-raw-{pid}", receive_bytes)
         self._cleanup.callback(raw_buffer.close)
         self.raw_buffer = raw_buffer.tensor
-        self.raw_agent = NixlAgent(f"bench-handoff-raw-{pid}", listen_port=0, progress_thread=False)
+        self.raw_agent = NixlAgent(f"bench-handoff-raw-{pid}", bind_host="127.0.0.1", progress_thread=False)
         registration = self.raw_agent.register(self.raw_buffer)
         self._cleanup.callback(self.raw_agent.deregister, registration)
         self._requests: Iterator[int] = itertools.count()
@@ -396,15 +411,12 @@ class _Consumers:
         self._cleanup.close()
 
     def connect_raw(self) -> float:
-        """Loads the producer's agent metadata into the raw agent; returns the milliseconds taken."""
+        """Fetches the producer's agent metadata over gRPC (as consumers do) and loads it into the
+        raw agent; returns the milliseconds taken."""
         started = time.perf_counter_ns()
-        host, port = self.peer.agent_address.rsplit(":", 1)
-        self.raw_agent.request_metadata(self.peer.agent_name, host, int(port))
-        deadline = time.monotonic() + _FETCH_TIMEOUT_S
-        while not self.raw_agent.has_metadata(self.peer.agent_name):
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"no NIXL metadata from the producer at {self.peer.agent_address}")
-            time.sleep(0.0005)
+        with grpc.insecure_channel(f"127.0.0.1:{self.peer.grpc_port}", options=CLIENT_OPTIONS) as channel:
+            response = encoder_pb2_grpc.EncoderServiceStub(channel).GetTransferMetadata(encoder_pb2.GetTransferMetadataRequest(), timeout=_FETCH_TIMEOUT_S)
+        self.raw_agent.load_peer(response.agent_metadata)
         return _elapsed_us(started) / 1000
 
     def ec_consumer(self, locations: Sequence[NixlLocation], nbytes: int) -> tuple[float, list[torch.Tensor]]:
@@ -457,7 +469,7 @@ class _Consumers:
         views = []
         for location, offset in zip(locations, offsets, strict=True):
             header = SlotHeader.unpack_from(self.reader_buffer, offset)
-            if (header.status, header.generation, header.rows, header.width, header.dtype) != (SlotStatus.READY, int(location.lease_id, 16), rows, width, _DTYPE):
+            if (header.status, header.generation, header.rows, header.width, header.dtype) != (SlotStatus.READY, generation_of(location.lease_id), rows, width, _DTYPE):
                 raise HandoffMismatchError(f"nixl_reader: the slot of lease {location.lease_id} holds {header}")
             views.append(_rows_view(self.reader_buffer, offset + HEADER_BYTES, rows, width))
         return _elapsed_us(started), views
@@ -662,7 +674,7 @@ def _leases_left(peer: _Peer) -> int:
 
 
 async def _measure_all(bench: _Bench, sizes: Sequence[int], iterations: int, batch_iterations: int) -> dict[str, Any]:
-    # First contact: metadata from the producer's listener and the UCX connection; gRPC connects.
+    # First contact: metadata over gRPC (GetTransferMetadata) and the UCX connection; gRPC connects.
     first: dict[str, float] = {}
     for method in ("ec_consumer", "nixl_reader"):
         first[method] = bench.nixl_single(method, KIB, 1)[0] / 1000

@@ -157,14 +157,19 @@ class ItemMetadata:
 
 @dataclass(frozen=True)
 class NixlLocation:
-    """Where a producer's NIXL agent holds one published item, for a one-sided READ."""
+    """Where a producer's NIXL agent holds one published item, for a one-sided READ.
+
+    Consumers READ only if ``tag`` verifies under the key the encoder at ``encoder_address``
+    hands out over gRPC (:mod:`epd.transport.nixl`), so no field can be altered on the way.
+    """
 
     agent_name: str
-    agent_address: str  # host:port of the agent's metadata listener
+    encoder_address: str  # host:port of the EncoderService that gives out the agent's metadata
     descriptors: bytes  # the item's memory, in epd.transport.nixl's versioned format
     nbytes: int  # the slot header plus the rows
-    lease_id: str  # the consumer's READ notification carries it back
+    lease_id: str  # 128 random bits in hex; the consumer's READ notification carries it back
     expires_at_unix_ms: int  # after this the producer may reuse the memory
+    tag: bytes  # HMAC of the fields above but encoder_address (epd.transport.nixl.location_tag)
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from epd.domain import (
     content_hash,
 )
 from epd.errors import FieldViolation, InvalidArgument
+from epd.transport.location import location_problems
 from epd.v1 import (
     common_pb2,
     decode_pb2,
@@ -368,29 +369,37 @@ def _handle_to_wire(location: EmbeddingLocation) -> multimodal_pb2.EmbeddingHand
     return multimodal_pb2.EmbeddingHandle(
         nixl=multimodal_pb2.NixlEmbedding(
             agent_name=location.agent_name,
-            agent_address=location.agent_address,
+            encoder_address=location.encoder_address,
             descriptors=location.descriptors,
             nbytes=location.nbytes,
             lease_id=location.lease_id,
             expires_at=expires,
+            location_tag=location.tag,
         )
     )
 
 
-def embedding_location_from_wire(msg: multimodal_pb2.EmbeddingHandle) -> EmbeddingLocation | None:
+def embedding_location_from_wire(msg: multimodal_pb2.EmbeddingHandle, field: str = "embedding") -> EmbeddingLocation | None:
+    """Raises InvalidArgument for a NIXL location that cannot be right in form (whether it is
+    genuine only the consumer engine can tell, with the encoder's key)."""
     kind = msg.WhichOneof("transport")
     if kind == "inline":
         return InlineEmbedding(msg.inline.data)
     if kind == "nixl":
         n = msg.nixl
-        return NixlLocation(
+        location = NixlLocation(
             agent_name=n.agent_name,
-            agent_address=n.agent_address,
+            encoder_address=n.encoder_address,
             descriptors=n.descriptors,
             nbytes=n.nbytes,
             lease_id=n.lease_id,
             expires_at_unix_ms=n.expires_at.ToMilliseconds(),
+            tag=n.location_tag,
         )
+        violations = [FieldViolation(f"{field}.nixl.{name}", problem) for name, problem in location_problems(location)]
+        if violations:
+            raise InvalidArgument("malformed NIXL embedding location", violations)
+        return location
     return None
 
 
@@ -410,7 +419,7 @@ def encoded_item_from_wire(msg: multimodal_pb2.EncodedItem, field: str) -> Encod
         forwarded = media_item_from_wire(msg.forwarded_media, f"{field}.forwarded_media", violations)
         if violations:
             raise InvalidArgument("invalid forwarded media", violations)
-    return EncodedItem(metadata_from_wire(msg.metadata, f"{field}.metadata"), embedding_location_from_wire(msg.embedding), forwarded)
+    return EncodedItem(metadata_from_wire(msg.metadata, f"{field}.metadata"), embedding_location_from_wire(msg.embedding, f"{field}.embedding"), forwarded)
 
 
 def encoded_items_from_wire(items) -> list[EncodedItem]:

@@ -17,18 +17,25 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
+import psutil
 import pytest
 import torch
+from nixl import _bindings as nixlb
 
+from epd import wire
 from epd.domain import InlineEmbedding, NixlLocation
-from epd.transport.arena import EmbeddingArena, SharedCounters
+from epd.errors import InvalidArgument
+from epd.ports import free_port
+from epd.transport.arena import EmbeddingArena, SharedCounters, generation_of
 from epd.transport.ec_config import ConnectorConfig
 from epd.transport.ec_consumer import ConsumerScheduler
 from epd.transport.ec_params import ExpectedItem, expected_to_params
+from epd.transport.location import decode_descriptors, encode_descriptors, location_tag
 from epd.transport.nixl import LeaseReleaser, NixlReader, Read
 from epd.transport.shared_buffer import SharedBuffer
 from epd.transport.slot_header import HEADER_BYTES, SlotHeader, SlotStatus
-from tests.transport_producer import make_rows, producer_main
+from epd.v1 import multimodal_pb2
+from tests.transport_producer import SLOT_BYTES, make_rows, producer_main
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -37,7 +44,7 @@ pytestmark = pytest.mark.timeout(90)
 class Producer:
     process: multiprocessing.Process
     conn: Connection
-    address: str
+    address: str  # of its gRPC server (GetTransferMetadata), as an encoder's
 
     def __call__(self, command: str, *args: Any) -> Any:
         self.conn.send((command, args))
@@ -47,10 +54,10 @@ class Producer:
         return value
 
 
-def _start_producer(agent_name: str | None = None, ttl_s: float = 30.0) -> Producer:
+def _start_producer(agent_name: str | None = None, ttl_s: float = 30.0, grpc_port: int = 0) -> Producer:
     parent, child = multiprocessing.get_context("spawn").Pipe()
     agent_name = agent_name or f"test-producer-{uuid.uuid4().hex[:6]}"
-    process = multiprocessing.get_context("spawn").Process(target=producer_main, args=(child, agent_name, ttl_s), daemon=True)
+    process = multiprocessing.get_context("spawn").Process(target=producer_main, args=(child, agent_name, ttl_s, grpc_port), daemon=True)
     process.start()
     return Producer(process, parent, parent.recv())
 
@@ -68,8 +75,10 @@ def producer() -> Iterator[Producer]:
 
 
 @pytest.fixture(scope="module")
-def releaser() -> Iterator[LeaseReleaser]:
-    releaser = LeaseReleaser(f"test-releaser-{uuid.uuid4().hex[:6]}")
+def releaser(producer) -> Iterator[LeaseReleaser]:
+    """What the encoder service runs for ReleaseEmbeddings, with the credentials it reads from
+    shared memory beside its engine."""
+    releaser = LeaseReleaser(f"test-releaser-{uuid.uuid4().hex[:6]}", producer("credentials"), bind_host="127.0.0.1")
     yield releaser
     releaser.close()
 
@@ -117,7 +126,7 @@ def test_one_batched_read_brings_exact_rows_and_headers_and_ends_the_leases(prod
     assert _drain(reader, 3) == {0: None, 1: None, 2: None}
     for (seed, rows, width, dtype), location, offset in zip(shapes, locations, offsets, strict=True):
         header = SlotHeader.unpack_from(receive_buffer.tensor, offset)
-        assert (header.status, header.generation, header.rows, header.width, header.dtype) == (SlotStatus.READY, int(location.lease_id, 16), rows, width, dtype)
+        assert (header.status, header.generation, header.rows, header.width, header.dtype) == (SlotStatus.READY, generation_of(location.lease_id), rows, width, dtype)
         assert torch.equal(_rows_at(receive_buffer, offset, rows, width, dtype), make_rows(seed, rows, width, dtype))
     # The READ's notification carried all three lease ids back.
     assert producer("reap_until_idle") == 0
@@ -125,62 +134,205 @@ def test_one_batched_read_brings_exact_rows_and_headers_and_ends_the_leases(prod
 
 def test_a_reused_slot_reads_back_another_generation(producer, reader, receive_buffer, releaser):
     """Reading a handle whose lease ended and whose slot was reused returns the new item's
-    header, which the consumer sees is not the promised one."""
+    header, which the consumer sees is not the promised one (see the consumer's test below)."""
     stale = producer("publish", 21, 4, 128, "float32")
     fresh = producer("overwrite", stale, 22, 4, 128, "float32")
     assert fresh.descriptors == stale.descriptors and fresh.lease_id != stale.lease_id
     reader.submit([Read("stale", stale, SharedCounters.BYTES)])
     assert _drain(reader, 1) == {"stale": None}
     header = SlotHeader.unpack_from(receive_buffer.tensor, SharedCounters.BYTES)
-    assert header.generation == int(fresh.lease_id, 16) != int(stale.lease_id, 16)
-    releaser.release(fresh.agent_name, fresh.agent_address, [fresh.lease_id])
+    assert header.generation == generation_of(fresh.lease_id) != generation_of(stale.lease_id)
+    releaser.release([fresh.lease_id])
     assert producer("reap_until_idle") == 0
 
 
 def test_expiring_lease_is_refused_without_a_read(producer, reader, releaser):
     location = producer("publish", 31, 2, 64, "float32")
-    expired = dataclasses.replace(location, expires_at_unix_ms=int(time.time() * 1000))
+    # Re-tagged, as only the producer could: the expiry check itself is what is under test.
+    key = producer("credentials").location_key
+    expires = int(time.time() * 1000)
+    expired = dataclasses.replace(location, expires_at_unix_ms=expires, tag=location_tag(key, location.agent_name, location.lease_id, location.descriptors, location.nbytes, expires))
     reader.submit([Read("old", expired, SharedCounters.BYTES)])
     (error,) = _drain(reader, 1).values()
     assert "expire" in error
     # Nothing was read, so the lease is still live until its owner ends it.
     assert producer("leases") == 1
-    releaser.release(location.agent_name, location.agent_address, [location.lease_id])
+    releaser.release([location.lease_id])
     assert producer("reap_until_idle") == 0
 
 
-def test_unreachable_producer_fails_its_reads_and_the_reader_stays_usable(producer, reader):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        dead_port = probe.getsockname()[1]
-    ghost = NixlLocation("ghost-agent", f"127.0.0.1:{dead_port}", b"\x01" + b"\x00" * 20, 100, "00" * 8, int(time.time() * 1000) + 60_000)
-    reader.submit([Read("ghost", ghost, SharedCounters.BYTES)])
-    started = time.monotonic()
+def _moved(location: NixlLocation, *, by: int = 0, grown_by: int = 0) -> NixlLocation:
+    """The location with its range moved or grown, and everything else (its tag) kept."""
+    ((address, length, device),) = decode_descriptors(location.descriptors)
+    return dataclasses.replace(location, descriptors=encode_descriptors([(address + by, length + grown_by, device)]), nbytes=length + grown_by)
+
+
+@pytest.mark.parametrize(
+    "forge",
+    [
+        pytest.param(lambda own, other: _moved(own, by=-SLOT_BYTES), id="address_moved_back_one_slot"),
+        pytest.param(lambda own, other: dataclasses.replace(own, descriptors=other.descriptors), id="another_leases_rows"),
+        pytest.param(lambda own, other: dataclasses.replace(own, lease_id=other.lease_id), id="another_leases_id"),
+        pytest.param(lambda own, other: _moved(own, grown_by=SLOT_BYTES), id="grown_past_its_slot"),
+        pytest.param(lambda own, other: dataclasses.replace(other, tag=own.tag), id="another_location_with_own_tag"),
+    ],
+)
+def test_a_location_altered_in_any_field_is_refused_before_any_read(producer, reader, receive_buffer, forge):
+    """The field finding: a Prefill whose descriptor address was moved back one slot read
+    another request's image. Every location is bound to its lease by the encoder's tag."""
+    other = producer("publish", 91, 4, 128, "float32")  # another request's item, one slot before
+    own = producer("publish", 92, 4, 128, "float32")
+    assert decode_descriptors(own.descriptors)[0][0] - decode_descriptors(other.descriptors)[0][0] == SLOT_BYTES
+    receive_buffer.tensor.fill_(0xAB)
+    reader.submit([Read("forged", forge(own, other), SharedCounters.BYTES)])
     (error,) = _drain(reader, 1).values()
-    assert error and time.monotonic() - started < 6
-    location = producer("publish", 41, 2, 64, "float32")
-    reader.submit([Read("real", location, SharedCounters.BYTES)])
-    assert _drain(reader, 1) == {"real": None}
+    assert "does not verify" in error and "nothing was read" in error
+    assert "embedding.nixl.location_tag" in error
+    assert bool((receive_buffer.tensor == 0xAB).all())  # not one byte landed
+    assert producer("leases") == 2  # no notification went out: both leases are live
+    # The genuine location still reads: the refusal cost the producer's cache nothing.
+    reader.submit([Read("own", own, SharedCounters.BYTES)])
+    assert _drain(reader, 1) == {"own": None}
+    assert torch.equal(_rows_at(receive_buffer, SharedCounters.BYTES, 4, 128, "float32"), make_rows(92, 4, 128))
+    reader.release(other)
+    reader.poll()
     assert producer("reap_until_idle") == 0
 
 
-def test_a_restarted_producer_is_reached_at_its_new_address(reader, receive_buffer):
-    name = f"test-restarting-{uuid.uuid4().hex[:6]}"
-    first = _start_producer(name)
+def test_a_forged_lease_id_frees_nothing(producer, reader, releaser):
+    """Lease ids are 128 random bits; ending a lease takes its exact id, through either path."""
+    victim = producer("publish", 93, 2, 64, "float32")
+    assert len(victim.lease_id) == 32
+    near = victim.lease_id[:-1] + ("0" if victim.lease_id[-1] != "0" else "1")
+    # Through ReleaseEmbeddings (the encoder's releaser): ids of no lease, malformed ones.
+    assert releaser.release([near, uuid.uuid4().hex, "not-a-lease", victim.lease_id[:16]]) == 2
+    # Through a consumer's release of a location whose lease id was swapped: its tag fails.
+    reader.release(dataclasses.replace(victim, lease_id=near))
+    reader.poll()
+    time.sleep(0.3)
+    assert producer("reap_until_idle", 0.3) == 1  # the victim's lease is still live
+    releaser.release([victim.lease_id])
+    assert producer("reap_until_idle") == 0
+
+
+def test_a_foreign_agent_cannot_get_the_metadata_or_read_the_arena(producer, reader):
+    """NIXL authenticates nothing, so the producer must not hand its metadata to anyone who asks:
+    it opens no NIXL listener, and its UCX endpoints listen on the service's host only."""
+    location = producer("publish", 94, 2, 64, "float32")
+    listening = [c.laddr for c in psutil.Process(producer.process.pid).net_connections(kind="tcp") if c.status == psutil.CONN_LISTEN]
+    assert listening and all(addr.ip.removeprefix("::ffff:") == "127.0.0.1" for addr in listening), listening  # never 0.0.0.0
+    foreign, _ = _listening_agent(f"test-foreign-{uuid.uuid4().hex[:6]}")
+    # The way in that NIXL offers works against an agent with a listener (what encoders ran):
+    exposed_name = f"test-exposed-{uuid.uuid4().hex[:6]}"
+    _exposed, exposed_port = _listening_agent(exposed_name)
+    foreign.fetchRemoteMD(exposed_name, "127.0.0.1", exposed_port, "")
+    assert _has_metadata(foreign, exposed_name)
+    # ... and gets nothing from the producer, on any port it listens on or NIXL's default one.
+    for port in {addr.port for addr in listening} | {nixlb.nixlAgentConfig().listenPort}:
+        foreign.fetchRemoteMD(location.agent_name, "127.0.0.1", port, "")
+    assert not _has_metadata(foreign, location.agent_name)
+    target = torch.zeros(location.nbytes, dtype=torch.uint8)
+    foreign.registerMem(nixlb.nixlRegDList(nixlb.DRAM_SEG, [(target.data_ptr(), target.numel(), 0, "")]), [])
+    with pytest.raises(Exception, match="NIXL_ERR"):
+        foreign.createXferReq(
+            nixlb.NIXL_READ,
+            nixlb.nixlXferDList(nixlb.DRAM_SEG, [(target.data_ptr(), location.nbytes, 0)]),
+            nixlb.nixlXferDList(nixlb.DRAM_SEG, decode_descriptors(location.descriptors)),
+            location.agent_name,
+            b"",
+            [],
+        )
+    # A consumer that fetched the credentials over gRPC reads it.
+    reader.submit([Read("item", location, SharedCounters.BYTES)])
+    assert _drain(reader, 1) == {"item": None}
+    assert producer("reap_until_idle") == 0
+
+
+def _listening_agent(name: str) -> tuple[Any, int]:
+    """A raw NIXL agent with NIXL's metadata listener on, as an attacker (or old EPD) runs one."""
+    config = nixlb.nixlAgentConfig()
+    config.useProgThread = True
+    config.useListenThread = True
+    config.listenPort = free_port("127.0.0.1")
+    config.lthrDelay = 10_000
+    agent = nixlb.nixlAgent(name, config)
+    agent.createBackend("UCX", {})
+    return agent, config.listenPort
+
+
+def _has_metadata(agent, peer: str, timeout_s: float = 1.5) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if agent.checkRemoteMD(peer, nixlb.nixlXferDList(nixlb.DRAM_SEG)) == nixlb.NIXL_SUCCESS:
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def _silent_port() -> socket.socket:
+    """A port that accepts TCP connections and never answers: a peer that hangs."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    return sock
+
+
+def test_bad_encoder_addresses_fail_only_their_own_reads_and_stall_nobody(producer, reader):
+    """The field finding: a Prefill naming the real encoder's agent at 127.0.0.1:1 dropped its
+    cached metadata and stalled every prefill for 10 s behind a per-peer lock."""
+    warm = producer("publish", 95, 2, 64, "float32")
+    reader.submit([Read("warm", warm, SharedCounters.BYTES)])
+    assert _drain(reader, 1) == {"warm": None}
+    with _silent_port() as silent:
+        good = producer("publish", 96, 2, 64, "float32")
+        refused = dataclasses.replace(good, encoder_address="127.0.0.1:1")  # the real agent's name
+        hanging = dataclasses.replace(good, encoder_address=f"127.0.0.1:{silent.getsockname()[1]}")
+        malformed = dataclasses.replace(good, encoder_address="no-port")
+        started = time.monotonic()
+        reader.submit([Read("hanging", hanging, 0), Read("refused", refused, 0), Read("malformed", malformed, 0)])
+        reader.submit([Read("good", good, SharedCounters.BYTES)])
+        finished: dict = {}
+        while "good" not in finished and time.monotonic() - started < 5:
+            finished.update(reader.poll())
+        assert finished.get("good", "missing") is None and time.monotonic() - started < 1.0
+        assert "hanging" not in finished  # still waiting for its own encoder, alone
+        finished.update(_drain(reader, 4 - len(finished), timeout_s=6.0))
+    assert "UNAVAILABLE" in finished["refused"] and "127.0.0.1:1" in finished["refused"]
+    assert "DEADLINE_EXCEEDED" in finished["hanging"]
+    assert "encoder_address must be 'host:port'" in finished["malformed"]
+    # The real encoder's cached credentials survived the forged addresses: another read needs
+    # no new fetch (it would show up as a new gRPC call).
+    again = producer("publish", 97, 2, 64, "float32")
+    started = time.monotonic()
+    reader.submit([Read("again", again, SharedCounters.BYTES)])
+    assert _drain(reader, 1) == {"again": None} and time.monotonic() - started < 0.5
+    assert producer("reap_until_idle") == 0
+
+
+@pytest.mark.parametrize("same_agent_name", [False, True], ids=["new_agent_name", "same_agent_name"])
+def test_a_restarted_producer_at_the_same_address_is_fetched_afresh(reader, receive_buffer, same_agent_name):
+    first = _start_producer(f"test-restarting-{uuid.uuid4().hex[:6]}")
     try:
         location = first("publish", 51, 2, 64, "float32")
         reader.submit([Read("a", location, SharedCounters.BYTES)])
         assert _drain(reader, 1) == {"a": None}
     finally:
         _stop(first)
-    second = _start_producer(name)
+    port = int(first.address.rpartition(":")[2])
+    second = _start_producer(location.agent_name if same_agent_name else None, grpc_port=port)
     try:
-        # The same agent name at another port: the reader must drop the old metadata.
         moved = second("publish", 52, 2, 64, "float32")
-        assert moved.agent_address != location.agent_address
+        assert moved.encoder_address == location.encoder_address
+        # Its locations do not verify under the cached key: the reader fetches the new
+        # credentials, drops the old agent's metadata and READs from the new process.
         reader.submit([Read("b", moved, SharedCounters.BYTES)])
         assert _drain(reader, 1) == {"b": None}
         assert torch.equal(_rows_at(receive_buffer, SharedCounters.BYTES, 2, 64, "float32"), make_rows(52, 2, 64))
+        # A handle of the dead process is refused, not read from the new one's memory.
+        reader.submit([Read("old", location, SharedCounters.BYTES)])
+        (error,) = _drain(reader, 1).values()
+        assert "does not verify" in error
+        assert second("reap_until_idle") == 0
     finally:
         _stop(second)
 
@@ -258,7 +410,7 @@ def test_consumer_refuses_a_slot_that_no_longer_holds_the_promised_item(producer
     assert not _wait_available(consumer, request)
     consumer.request_finished(request)
     assert consumer.counters.get("failed_loads") == 1
-    releaser.release(fresh.agent_name, fresh.agent_address, [fresh.lease_id])
+    releaser.release([fresh.lease_id])
     assert producer("reap_until_idle") == 0
 
 
@@ -277,6 +429,53 @@ def test_consumer_refuses_a_handle_whose_rows_disagree_with_the_layout(consumer)
     request = _Request("r4", [_Feature("h4", _Position(6))], expected_to_params({"h4": ExpectedItem(5, 16, "float32", InlineEmbedding(b"\0" * 320))}))
     assert not consumer.ensure_cache_available(request)
     assert consumer.take_unavailable_requests() == {"r4"}
+
+
+def test_consumer_refuses_a_shape_smaller_than_its_location_before_reading(producer, consumer, releaser):
+    """The pages are sized from the item's shape (the caller's metadata); a genuine location of
+    a larger item would otherwise be READ past them, over other requests' items."""
+    location = producer("publish", 73, 8, 128, "float32")
+    request = _Request("r6", [_Feature("h6", _Position(8))], expected_to_params({"h6": ExpectedItem(8, 16, "float32", location)}))
+    assert not consumer.ensure_cache_available(request)
+    assert consumer.take_unavailable_requests() == {"r6"}
+    assert producer("leases") == 1  # nothing was read
+    releaser.release([location.lease_id])
+    assert producer("reap_until_idle") == 0
+
+
+def _wire_location(**changes: Any) -> multimodal_pb2.EmbeddingHandle:
+    fields = {
+        "agent_name": "epd-encoder-1",
+        "encoder_address": "10.0.0.7:50061",
+        "descriptors": encode_descriptors([(1 << 20, 4160, 0)]),
+        "nbytes": 4160,
+        "lease_id": "ab" * 16,
+        "location_tag": b"\x01" * 32,
+    }
+    return multimodal_pb2.EmbeddingHandle(nixl=multimodal_pb2.NixlEmbedding(**{**fields, **changes}))
+
+
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"encoder_address": "127.0.0.1"}, "encoder_address"),
+        ({"lease_id": "0123456789abcdef"}, "lease_id"),  # 64 bits: guessable
+        ({"location_tag": b""}, "location_tag"),
+        ({"descriptors": b"\x02" + b"\x00" * 20}, "descriptors"),
+        ({"nbytes": 8192}, "nbytes"),
+        ({"agent_name": ""}, "agent_name"),
+    ],
+)
+def test_a_malformed_location_is_invalid_argument_at_the_edge(changes, field):
+    with pytest.raises(InvalidArgument) as caught:
+        wire.embedding_location_from_wire(_wire_location(**changes), "items[2].embedding")
+    assert [v.field for v in caught.value.violations] == [f"items[2].embedding.nixl.{field}"]
+
+
+def test_a_well_formed_location_converts_both_ways():
+    location = wire.embedding_location_from_wire(_wire_location())
+    assert isinstance(location, NixlLocation) and location.tag == b"\x01" * 32
+    assert wire.embedding_location_from_wire(wire._handle_to_wire(location)) == location
 
 
 def test_inline_embeddings_are_copied_in_without_nixl(consumer):

@@ -1,60 +1,64 @@
 """Thin adapter over the NIXL agent bindings, limited to what the embedding transport uses.
 
-Why the bindings rather than ``nixl._api.nixl_agent``: that wrapper hardcodes two thread timings
-that are wrong for CPU serving hosts. Its UCX progress thread polls with a zero timeout, which
-keeps one core at 100% for as long as the agent lives, and its metadata listener sleeps 100 ms
-between rounds, so every first contact with a peer takes over 100 ms. The bindings accept both
-settings. Everything else here maps one-to-one onto a wrapper method, so if the bindings change,
-only this module needs to follow.
+Why the bindings rather than ``nixl._api.nixl_agent``: that wrapper hardcodes a progress thread
+that polls with a zero timeout, which keeps one core at 100% for as long as the agent lives. The
+bindings accept a wakeup period. Everything else here maps one-to-one onto a wrapper method, so
+if the bindings change, only this module needs to follow.
+
+No agent here opens NIXL's metadata listener: that listener hands this agent's metadata (the keys
+to its registered memory) to anyone who connects, unauthenticated. Metadata travels only over
+EPD's gRPC channel instead (see :mod:`epd.transport.nixl`), as bytes from :meth:`NixlAgent.metadata`
+loaded with :meth:`NixlAgent.load_peer`.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import logging
+import os
+import socket
 from collections.abc import Sequence
 from typing import Any, Literal
 
+import psutil
 import torch
 from nixl import _bindings as nixlb
 
 from epd.transport.errors import TransferError
+from epd.transport.location import Row
+
+logger = logging.getLogger(__name__)
 
 # The progress thread sleeps in poll() on UCX's event fds, so it wakes as soon as there is work;
 # this is only its fallback wakeup (NIXL rounds it up to whole milliseconds).
 _PROGRESS_WAKEUP_US = 1_000
-# How long a metadata request can wait for the listener thread, once per peer. The thread also
-# executes this agent's own outgoing metadata requests.
-_LISTENER_WAKEUP_US = 10_000
-
-Row = tuple[int, int, int]
-"""One contiguous DRAM range as NIXL describes it: (address, length in bytes, device id)."""
 
 XferState = Literal["DONE", "PROC", "ERR"]
 
 
 class NixlAgent:
-    """One NIXL agent with the UCX backend and a metadata listener thread."""
+    """One NIXL agent with the UCX backend, and no metadata listener."""
 
-    def __init__(self, name: str, *, listen_port: int, progress_thread: bool) -> None:
-        """Creates the agent and starts its threads.
+    def __init__(self, name: str, *, bind_host: str, progress_thread: bool) -> None:
+        """Creates the agent and starts its progress thread, if asked.
 
         Args:
             name: Agent name; peers address this agent by it, so it must be unique among peers.
-            listen_port: TCP port for the metadata listener, bound on all interfaces. 0 lets the
-                OS choose, but NIXL cannot report which port it got.
+            bind_host: The service's host: UCX's TCP endpoints listen only on the network device
+                that carries this address (see :func:`restrict_ucx_devices`).
             progress_thread: Whether a thread progresses UCX in the background. A READ's target
                 needs one: nothing else would answer connection setup, take in notifications
                 or, over TCP, serve the READ itself. An initiator progresses its transfers by
                 polling their state; a background thread there only competes for the worker.
 
         Raises:
-            RuntimeError: If NIXL cannot start, e.g. the listener port is taken.
+            RuntimeError: If NIXL cannot start its UCX backend.
         """
+        restrict_ucx_devices(bind_host)
         config = nixlb.nixlAgentConfig()
         config.useProgThread = progress_thread
         config.pthrDelay = _PROGRESS_WAKEUP_US
-        config.useListenThread = True
-        config.listenPort = listen_port
-        config.lthrDelay = _LISTENER_WAKEUP_US
+        config.useListenThread = False
         # Callers publish and reap from different threads, besides NIXL's own two threads.
         config.syncMode = nixlb.NIXL_THREAD_SYNC_STRICT
         self.name = name
@@ -85,14 +89,23 @@ class NixlAgent:
         notifications: dict[str, list[bytes]] = self._agent.getNotifs({}, [])
         return notifications
 
-    def request_metadata(self, peer: str, ip: str, port: int) -> None:
-        """Asks the listener at ``ip:port`` for ``peer``'s metadata; it loads asynchronously."""
-        self._agent.fetchRemoteMD(peer, ip, port, "")
+    def metadata(self) -> bytes:
+        """This agent's metadata: what a peer must load to READ its registered memory. A secret:
+        whoever holds it (and can reach this host) can read that memory."""
+        return bytes(self._agent.getLocalMD())
 
-    def has_metadata(self, peer: str) -> bool:
-        """Whether ``peer``'s metadata is loaded, i.e. READs from it can be posted."""
-        status = self._agent.checkRemoteMD(peer, nixlb.nixlXferDList(nixlb.DRAM_SEG))
-        return bool(status == nixlb.NIXL_SUCCESS)
+    def load_peer(self, metadata: bytes) -> str:
+        """Loads a peer's metadata (from :meth:`metadata`); returns the peer's agent name.
+
+        Local work only (UCX connects lazily, on the first transfer or notification).
+
+        Raises:
+            TransferError: NIXL refused the bytes.
+        """
+        try:
+            return bytes(self._agent.loadRemoteMD(metadata)).decode()
+        except Exception as exc:  # the bindings raise one exception class per NIXL status
+            raise TransferError(f"NIXL refused a peer's metadata: {exc!r}") from exc
 
     def notify(self, peer: str, message: bytes) -> None:
         """Sends ``peer`` a notification outside any transfer; its metadata must be loaded.
@@ -167,3 +180,26 @@ class NixlAgent:
 
 def _xfer_list(rows: Sequence[Row]) -> Any:
     return nixlb.nixlXferDList(nixlb.DRAM_SEG, list(rows))
+
+
+def restrict_ucx_devices(bind_host: str) -> None:
+    """Makes UCX listen only on the network device that carries ``bind_host``.
+
+    UCX opens a TCP listener on every device by default (0.0.0.0 in effect). It reads
+    ``UCX_NET_DEVICES`` when a backend starts, so setting it here, before the first backend of
+    this process, is enough; an operator's own setting wins. Shared-memory transports between
+    processes of one host are unaffected. A wildcard host, or one no local device carries (an
+    address behind NAT), leaves UCX's default, with a warning for the latter.
+    """
+    if "UCX_NET_DEVICES" in os.environ or bind_host in ("", "0.0.0.0"):
+        return
+    try:
+        ip = ipaddress.IPv4Address(socket.gethostbyname(bind_host))
+    except (OSError, ValueError):
+        logger.warning("cannot resolve NIXL bind host %r; UCX listens on every network device", bind_host)
+        return
+    for device, addresses in psutil.net_if_addrs().items():
+        if any(a.family == socket.AF_INET and ipaddress.IPv4Address(a.address) == ip for a in addresses):
+            os.environ["UCX_NET_DEVICES"] = device
+            return
+    logger.warning("no network device carries %s; UCX listens on every one (set UCX_NET_DEVICES)", ip)

@@ -4,8 +4,9 @@ The buffer is cut into fixed-size slots; an item takes a contiguous run of them,
 published item is one contiguous range (one NIXL descriptor). A lease ties the run to one
 consumer: it is *pinned* while the producer is still writing it and starts its time-to-live once
 published; it ends when the consumer's READ notification arrives, when the owner releases it,
-or when the TTL passes. Lease ids are 64 random bits (also the slot header's generation), so a
-peer cannot guess another request's lease.
+or when the TTL passes. Lease ids are 128 random bits, so a peer cannot guess another request's
+lease (ending a lease needs its id). The slot header's generation is a one-way digest of the id
+(:func:`generation_of`), so reading a header never reveals a lease id.
 
 Thread-safe: the engine's scheduler reserves and publishes while a reaper thread ends leases.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import secrets
 import threading
 import time
@@ -22,17 +24,23 @@ import numpy as np
 import torch
 
 from epd.transport._slots import SlotAllocator
+from epd.transport.location import LEASE_ID_BYTES
+
+
+def generation_of(lease_id: str) -> int:
+    """The slot-header generation of a lease: 64 bits of a digest of its id."""
+    return int.from_bytes(hashlib.blake2b(lease_id.encode(), digest_size=8, person=b"epd-slot-gen").digest(), "little")
 
 
 @dataclasses.dataclass(frozen=True)
 class Lease:
-    lease_id: str  # 16 hex digits
+    lease_id: str  # 32 hex digits
     offset: int  # of the first byte, in the arena buffer
     nbytes: int  # reserved bytes (the item's header and rows)
 
     @property
     def generation(self) -> int:
-        return int(self.lease_id, 16)
+        return generation_of(self.lease_id)
 
 
 @dataclasses.dataclass(slots=True)
@@ -122,7 +130,7 @@ class EmbeddingArena:
             first = self._slots.alloc(num_slots)
             if first is None:
                 return None
-            lease_id = secrets.token_hex(8)
+            lease_id = secrets.token_hex(LEASE_ID_BYTES)
             self._held[lease_id] = _Held(first, num_slots)
             self._publish_counts()
         return Lease(lease_id, SharedCounters.BYTES + first * self.slot_bytes, nbytes)

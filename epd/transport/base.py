@@ -11,10 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from epd.domain import EmbeddingLocation
 from epd.transport.arena import Lease
+
+if TYPE_CHECKING:
+    from epd.transport.nixl import TransferCredentials
 
 
 @dataclasses.dataclass(frozen=True)
@@ -28,6 +31,10 @@ class Read:
 
 
 class Publisher(Protocol):
+    # What consumers need to READ the producer's memory, handed out only over gRPC (NIXL:
+    # epd.transport.nixl.TransferCredentials); None when locations carry the bytes themselves.
+    credentials: TransferCredentials | None
+
     def location(self, lease: Lease, expires_at_unix_s: float) -> EmbeddingLocation:
         """How a consumer reaches the slot of a lease whose item is written."""
 

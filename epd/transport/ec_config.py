@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import grpc
     from vllm.config import VllmConfig
 
 
@@ -18,9 +20,13 @@ class ConnectorConfig:
     buffer_bytes: int = 64 * 1024 * 1024  # producer arena / consumer receive buffer
     slot_bytes: int = 64 * 1024  # producer arena slot
     lease_ttl_s: float = 60.0  # how long a published item waits for its consumer
-    listen_host: str = "127.0.0.1"  # producer: the host consumers dial for NIXL metadata
-    listen_port: int = 0  # producer: NIXL metadata listener port; 0 picks one
-    read_timeout_s: float = 10.0  # consumer: limit on one producer's metadata or READ
+    listen_host: str = "127.0.0.1"  # the service's host: NIXL's UCX endpoints listen only there
+    read_timeout_s: float = 10.0  # consumer: limit on one encoder's GetTransferMetadata or READ
+    # Consumer: TLS for GetTransferMetadata calls to encoders (PEM file paths; all empty is
+    # plaintext). Paths, not credential objects: this config travels in vLLM's engine config.
+    tls_ca_file: str = ""
+    tls_cert_file: str = ""  # with tls_key_file: the client certificate, where encoders require one
+    tls_key_file: str = ""
 
     @property
     def agent_name(self) -> str:
@@ -28,6 +34,17 @@ class ConnectorConfig:
 
     def buffer_name(self, kind: str) -> str:
         return f"{self.engine_id}-{kind}"
+
+    def channel_credentials(self) -> grpc.ChannelCredentials | None:
+        """TLS credentials for the consumer's calls to encoders; None for plaintext."""
+        if not (self.tls_ca_file or self.tls_cert_file or self.tls_key_file):
+            return None
+        import grpc
+
+        def read(path: str) -> bytes | None:
+            return pathlib.Path(path).read_bytes() if path else None
+
+        return grpc.ssl_channel_credentials(read(self.tls_ca_file), read(self.tls_key_file), read(self.tls_cert_file))
 
     def extra_config(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

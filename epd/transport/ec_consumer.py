@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from epd.domain import EmbeddingLocation, InlineEmbedding, NixlLocation
 from epd.transport._slots import SlotAllocator
-from epd.transport.arena import SharedCounters
+from epd.transport.arena import SharedCounters, generation_of
 from epd.transport.base import Read, Reader
 from epd.transport.ec_params import ExpectedItem, expected_from_params
 from epd.transport.shared_buffer import SharedBuffer
@@ -206,6 +206,9 @@ class ConsumerScheduler:
             payload = handle.rows * handle.width * DTYPES[handle.dtype].itemsize
             if isinstance(handle.location, InlineEmbedding) and len(handle.location.data) != payload:
                 raise ValueError(f"item {index}'s inline embedding holds {len(handle.location.data)} bytes, not the {payload} its shape needs")
+            if isinstance(handle.location, NixlLocation) and handle.location.nbytes != HEADER_BYTES + payload:
+                # The READ lands in pages sized from the shape: a larger location would overrun them.
+                raise ValueError(f"item {index}'s location holds {handle.location.nbytes} bytes, not the {HEADER_BYTES + payload} its shape needs")
         return expected
 
     def _progress(self) -> None:
@@ -260,7 +263,7 @@ class ConsumerScheduler:
         """A read ended: over NIXL, the slot header must show the promised item, fully written."""
         expected = item.expected
         if error is None and isinstance(expected.location, NixlLocation):
-            promised = ready_fields(expected.dtype, int(expected.location.lease_id, 16), expected.rows, expected.width)
+            promised = ready_fields(expected.dtype, generation_of(expected.location.lease_id), expected.rows, expected.width)
             if header_fields(self._view, item.offset) != promised:
                 error = f"the producer's slot no longer holds lease {expected.location.lease_id} as promised ({self._describe_slot(item.offset)})"
         if error is None:
@@ -328,7 +331,13 @@ class ConsumerScheduler:
             else:
                 from epd.transport.nixl import NixlReader
 
-                self._readers[kind] = NixlReader(self._buffer.tensor, agent_name=self._config.agent_name, timeout_s=self._config.read_timeout_s)
+                self._readers[kind] = NixlReader(
+                    self._buffer.tensor,
+                    agent_name=self._config.agent_name,
+                    bind_host=self._config.listen_host,
+                    timeout_s=self._config.read_timeout_s,
+                    channel_credentials=self._config.channel_credentials(),
+                )
         return self._readers[kind]
 
     def _update_counters(self) -> None:

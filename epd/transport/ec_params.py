@@ -130,11 +130,12 @@ def _location_from_params(params: Mapping[str, Any]) -> EmbeddingLocation:
     if kind == "nixl":
         return NixlLocation(
             agent_name=str(params["agent_name"]),
-            agent_address=str(params["agent_address"]),
+            encoder_address=str(params["encoder_address"]),
             descriptors=bytes(params["descriptors"]),
             nbytes=int(params["nbytes"]),
             lease_id=str(params["lease_id"]),
             expires_at_unix_ms=int(params["expires_at_unix_ms"]),
+            tag=bytes(params["tag"]),
         )
     raise ValueError(f"unknown location kind {kind!r}")
 

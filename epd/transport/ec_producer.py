@@ -71,6 +71,9 @@ class ProducerScheduler:
         self._buffer = SharedBuffer.create(config.buffer_name("arena"), config.buffer_bytes)
         self._arena = EmbeddingArena(self._buffer.tensor, slot_bytes=config.slot_bytes, lease_ttl_s=config.lease_ttl_s)
         self._publisher = _publisher(config, self._buffer.tensor)
+        # The encoder service beside this engine hands these out over gRPC (GetTransferMetadata).
+        credentials = self._publisher.credentials
+        self._credentials = credentials.save(config.buffer_name("transfer")) if credentials is not None else None
         self._requests: dict[str, dict[str, _Reservation]] = {}
         self._modalities: dict[str, list[str]] = {}  # request id -> modality of each item
         self._unavailable: set[str] = set()
@@ -156,6 +159,8 @@ class ProducerScheduler:
         self._stop.set()
         self._reaper.join(timeout=1)
         self._publisher.close()
+        if self._credentials is not None:
+            self._credentials.close()
         self._buffer.close()
 
     # ---- internals ----------------------------------------------------------------------
@@ -236,4 +241,4 @@ def _publisher(config: ConnectorConfig, buffer) -> Publisher:
         raise ValueError(f"unknown embedding transport {config.transport!r}; expected nixl or inline")
     from epd.transport.nixl import NixlPublisher
 
-    return NixlPublisher(buffer, agent_name=config.agent_name, listen_host=config.listen_host, listen_port=config.listen_port)
+    return NixlPublisher(buffer, agent_name=config.agent_name, bind_host=config.listen_host)

@@ -20,6 +20,8 @@ from epd.transport.slot_header import HEADER_BYTES
 class InlinePublisher:
     """Copies a published slot's rows into the location itself; the lease ends right away."""
 
+    credentials = None  # the bytes travel in the location: nothing to authorize
+
     def __init__(self, buffer: torch.Tensor) -> None:
         self._buffer = buffer
         self._ended: list[str] = []

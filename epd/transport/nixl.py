@@ -4,91 +4,201 @@ Both are driven by polling, never by blocking: they run inside vLLM's scheduler 
 :mod:`epd.transport.ec_connector`), where a wait on one slow or forged peer would stall every
 request of the engine.
 
-Agent metadata is exchanged through NIXL's peer-to-peer side channel. The publisher's agent
-runs the metadata listener at the address every location advertises; the first time a reader
-sees a producer agent it asks that listener for the agent's metadata, then keeps it until a
-READ from that agent fails or the agent shows up at another address (it restarted).
+Trust. NIXL authenticates nothing: whoever holds an agent's metadata and can reach its host can
+READ all of its registered memory. So:
 
-Descriptors travel in this module's own format (a version byte, then packed rows), not NIXL's
-``get_serialized_descs``, which is a pickle: a consumer would otherwise unpickle bytes that
-arrived over the network.
+- no agent opens NIXL's metadata listener; a producer's metadata, and a random per-process key
+  that authenticates its locations (:class:`TransferCredentials`), travel only over the encoder's
+  gRPC channel (``EncoderService.GetTransferMetadata``), which TLS credentials protect where
+  configured;
+- every location carries an HMAC (:func:`location_tag`) over its agent, lease id, descriptors,
+  size and expiry; a reader READs nothing whose tag does not verify under the key the encoder
+  at the location's ``encoder_address`` gave it, so a handle cannot be moved onto another
+  request's slot or lease;
+- after every READ the consumer checks the slot header's generation against the lease
+  (:mod:`epd.transport.ec_consumer`), so a replayed handle whose slot was reused is refused.
+
+The reader fetches a producer's credentials with a non-blocking gRPC call whose future it polls,
+caches them per encoder address, and fetches them again when a location does not verify or a
+READ fails: a restarted encoder (a new process at the same address) has a new agent name, new
+metadata and a new key, and the old ones are dropped.
+
+Locations' wire-level pieces (descriptor format, tag) live in :mod:`epd.transport.location`,
+which services can import without NIXL.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
-import ipaddress
 import logging
-import socket
+import secrets
 import struct
 import time
 from collections.abc import Hashable, Sequence
 
+import grpc
 import torch
 
 from epd.domain import NixlLocation
-from epd.ports import free_port
 from epd.transport._agent import NixlAgent, Row
 from epd.transport.arena import Lease
 from epd.transport.base import Read
 from epd.transport.errors import TransferError
+from epd.transport.location import LEASE_ID, decode_descriptors, encode_descriptors, location_tag, tag_matches
+from epd.transport.shared_buffer import SharedBuffer
 
 logger = logging.getLogger(__name__)
 
-_DESCRIPTORS_VERSION = 1
-_DESCRIPTOR_ROW = struct.Struct("<QQI")  # address, length, device id
 # A lease id list travels as one notification message, ids joined by this separator.
 _LEASE_SEPARATOR = ","
-_PORT_ATTEMPTS = 5
+_KEY_BYTES = 32
+_CREDENTIALS_FORMAT = struct.Struct("<4sBIII")  # magic, version, then the three field lengths
+_CREDENTIALS_MAGIC = b"EPDT"
+
+
+# ---- credentials and location tags ------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class TransferCredentials:
+    """What a consumer needs to READ a producer's arena: secrets, handed out only over gRPC."""
+
+    agent_name: str
+    agent_metadata: bytes
+    location_key: bytes
+
+    def save(self, buffer_name: str) -> SharedBuffer:
+        """Writes them to a ``0600`` shared-memory file for the encoder service next to the
+        engine (which serves ``GetTransferMetadata``); keep the buffer and close it at shutdown."""
+        name = self.agent_name.encode()
+        blob = _CREDENTIALS_FORMAT.pack(_CREDENTIALS_MAGIC, 1, len(name), len(self.agent_metadata), len(self.location_key))
+        blob += name + self.agent_metadata + self.location_key
+        buffer = SharedBuffer.create(buffer_name, len(blob))
+        buffer.tensor.copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
+        return buffer
+
+    @classmethod
+    def load(cls, buffer_name: str) -> TransferCredentials:
+        """Reads what :meth:`save` wrote.
+
+        Raises:
+            FileNotFoundError: the producer has not written them (inline transport, or not started).
+            ValueError: the file holds something else.
+        """
+        raw = bytes(SharedBuffer.attach(buffer_name).tensor.numpy())
+        magic, version, name_len, metadata_len, key_len = _CREDENTIALS_FORMAT.unpack_from(raw)
+        if magic != _CREDENTIALS_MAGIC or version != 1 or len(raw) != _CREDENTIALS_FORMAT.size + name_len + metadata_len + key_len:
+            raise ValueError(f"shared buffer {buffer_name!r} holds no EPD transfer credentials")
+        body = raw[_CREDENTIALS_FORMAT.size :]
+        return cls(body[:name_len].decode(), body[name_len : name_len + metadata_len], body[name_len + metadata_len :])
+
+
+# ---- producer side ----------------------------------------------------------------------------
 
 
 class NixlPublisher:
-    """Producer side: one agent with a metadata listener, the arena buffer registered once."""
+    """Producer side: one agent (no metadata listener), the arena buffer registered once."""
 
-    def __init__(self, buffer: torch.Tensor, *, agent_name: str, listen_host: str, listen_port: int = 0) -> None:
-        self._agent, port = _start_listening_agent(agent_name, listen_port)
+    def __init__(self, buffer: torch.Tensor, *, agent_name: str, bind_host: str) -> None:
+        self._agent = NixlAgent(agent_name, bind_host=bind_host, progress_thread=True)
         self.agent_name = agent_name
-        self.address = f"{listen_host}:{port}"
         self._base = buffer.data_ptr()
         self._registration = self._agent.register(buffer)
+        # Registered once, so the metadata never changes for the life of this process.
+        self.credentials = TransferCredentials(agent_name, self._agent.metadata(), secrets.token_bytes(_KEY_BYTES))
 
     def location(self, lease: Lease, expires_at_unix_s: float) -> NixlLocation:
-        """How a consumer reaches a published lease: exactly its header and rows."""
+        """How a consumer reaches a published lease: exactly its header and rows.
+
+        ``encoder_address`` is left empty: the engine does not know its service's gRPC address;
+        the encoder service fills it in before handing the location out.
+        """
+        descriptors = encode_descriptors([(self._base + lease.offset, lease.nbytes, 0)])
+        expires_at_unix_ms = int(expires_at_unix_s * 1000)
+        key = self.credentials.location_key
         return NixlLocation(
             agent_name=self.agent_name,
-            agent_address=self.address,
-            descriptors=encode_descriptors([(self._base + lease.offset, lease.nbytes, 0)]),
+            encoder_address="",
+            descriptors=descriptors,
             nbytes=lease.nbytes,
             lease_id=lease.lease_id,
-            expires_at_unix_ms=int(expires_at_unix_s * 1000),
+            expires_at_unix_ms=expires_at_unix_ms,
+            tag=location_tag(key, self.agent_name, lease.lease_id, descriptors, lease.nbytes, expires_at_unix_ms),
         )
 
     def ended_leases(self) -> list[str]:
-        """Lease ids that consumers READ, or that their owner released, since the last call."""
+        """Lease ids that consumers READ, or that their owner released, since the last call.
+        Only peers that got the metadata over gRPC can notify; a lease ends only by its id."""
         ended: list[str] = []
         for messages in self._agent.take_notifications().values():
             for message in messages:
-                ended += [lease for lease in message.decode("ascii", "replace").split(_LEASE_SEPARATOR) if lease]
+                ended += [lease for lease in message.decode("ascii", "replace").split(_LEASE_SEPARATOR) if LEASE_ID.fullmatch(lease)]
         return ended
 
     def close(self) -> None:
         self._agent.deregister(self._registration)
 
 
+class LeaseReleaser:
+    """Ends a producer's leases without reading them, with the notification a READ would send.
+
+    The encoder service uses it for leases the gateway gives back (a request failed or was
+    aborted before its consumer read them). Its producer is the engine beside it, whose
+    credentials it reads from shared memory: no network fetch.
+    """
+
+    def __init__(self, agent_name: str, credentials: TransferCredentials, *, bind_host: str) -> None:
+        # A progress thread sends the notifications: nothing else here drives this agent.
+        self._agent = NixlAgent(agent_name, bind_host=bind_host, progress_thread=True)
+        self._peer = self._agent.load_peer(credentials.agent_metadata)
+
+    def release(self, lease_ids: Sequence[str]) -> int:
+        """Sends the well-formed ids (others can name no lease); returns how many.
+
+        Raises:
+            TransferError: NIXL could not notify the producer (its leases then expire).
+        """
+        valid = [lease for lease in lease_ids if LEASE_ID.fullmatch(lease)]
+        if valid:
+            self._agent.notify(self._peer, _LEASE_SEPARATOR.join(valid).encode())
+        return len(valid)
+
+    def close(self) -> None:
+        try:
+            self._agent.forget_peer(self._peer)
+        except Exception:  # already gone on NIXL's side
+            logger.debug("NIXL had no metadata left for agent %r", self._peer, exc_info=True)
+
+
+# ---- consumer side ----------------------------------------------------------------------------
+
+
 @dataclasses.dataclass
-class _Peer:
+class _Pending:
+    read: Read
+    needs_epoch: int  # the producer's credentials must have been fetched this many times first
+    refetched: bool = False  # already waited for credentials fetched after it failed to verify
+
+
+@dataclasses.dataclass
+class _Producer:
+    """One encoder address, as the reader knows it."""
+
     address: str
-    resolving: concurrent.futures.Future | None = None
-    requested_at: float | None = None  # when metadata was asked for; None until then
-    ready: bool = False
-    queued: list[Read] = dataclasses.field(default_factory=list)
-    releases: list[str] = dataclasses.field(default_factory=list)
+    channel: grpc.Channel
+    credentials: TransferCredentials | None = None  # loaded into the agent
+    epoch: int = 0  # completed credential fetches
+    fetch: grpc.Future | None = None
+    incoming: TransferCredentials | None = None  # fetched; loaded once no READ from the old agent runs
+    reload: bool = False  # a READ failed: load the metadata afresh even if it did not change
+    pending: list[_Pending] = dataclasses.field(default_factory=list)
+    releases: list[NixlLocation] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
 class _Transfer:
-    peer: str
+    producer: str  # encoder address
+    agent: str
     handle: int
     keys: list[Hashable]
     started: float
@@ -97,41 +207,63 @@ class _Transfer:
 class NixlReader:
     """Consumer side: one agent, one registered buffer, one batched READ per producer per call.
 
-    :meth:`submit` queues reads and posts them as soon as the producer's metadata is loaded;
-    :meth:`poll` progresses metadata fetches and transfers and reports finished reads. A read
-    fails (never blocks) when its lease is about to expire, the producer cannot be reached, or
-    the READ errs or outlives ``timeout_s``.
+    :meth:`submit` queues reads; :meth:`poll` progresses credential fetches and transfers and
+    reports finished reads. Producers are independent: nothing waits on one producer while
+    another's reads are ready, and no call blocks on the network. A read fails (never blocks)
+    when its location does not verify, its lease is about to expire, its encoder cannot be
+    reached, or the READ errs or outlives ``timeout_s``.
     """
 
-    def __init__(self, buffer: torch.Tensor, *, agent_name: str, timeout_s: float = 10.0, expiry_margin_s: float = 0.5) -> None:
-        self._agent = NixlAgent(agent_name, listen_port=0, progress_thread=False)
+    def __init__(
+        self,
+        buffer: torch.Tensor,
+        *,
+        agent_name: str,
+        bind_host: str = "127.0.0.1",
+        timeout_s: float = 10.0,
+        expiry_margin_s: float = 0.5,
+        channel_credentials: grpc.ChannelCredentials | None = None,
+    ) -> None:
+        """Args:
+        channel_credentials: TLS credentials for the gRPC calls to encoders (from
+            :meth:`epd.transport.ec_config.ConnectorConfig.channel_credentials`); None means
+            plaintext, acceptable only where a network policy confines the encoders' port.
+        """
+        self._agent = NixlAgent(agent_name, bind_host=bind_host, progress_thread=False)
         self._base = buffer.data_ptr()
         self._registration = self._agent.register(buffer)
         self._timeout_s = timeout_s
         self._expiry_margin_ms = int(expiry_margin_s * 1000)
-        self._peers: dict[str, _Peer] = {}
+        self._channel_credentials = channel_credentials
+        self._producers: dict[str, _Producer] = {}
+        self._loaded: dict[str, str] = {}  # NIXL agent name -> encoder address it was loaded for
         self._transfers: list[_Transfer] = []
         self._finished: list[tuple[Hashable, str | None]] = []
-        self._resolver = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="nixl-resolve")
 
     @property
     def busy(self) -> bool:
         """Whether any read or release is in progress, or ended and not yet reported."""
-        return bool(self._transfers or self._finished) or any(p.queued or p.releases for p in self._peers.values())
+        return bool(self._transfers or self._finished) or any(p.pending or p.releases for p in self._producers.values())
 
     def submit(self, reads: Sequence[Read]) -> None:
         for read in reads:
-            self._peer(read.location).queued.append(read)
+            producer = self._producer(read.location.encoder_address)
+            if producer is None:
+                self._finished.append((read.key, f"encoder_address must be 'host:port', got {read.location.encoder_address!r}"))
+            else:
+                producer.pending.append(_Pending(read, producer.epoch + 1 if producer.reload else 1))
 
     def release(self, location: NixlLocation) -> None:
         """Ends a lease without reading it (its item is already here)."""
-        self._peer(location).releases.append(location.lease_id)
+        producer = self._producer(location.encoder_address)
+        if producer is not None:
+            producer.releases.append(location)
 
     def poll(self) -> list[tuple[Hashable, str | None]]:
         """Progresses everything once; returns (key, error or None) for reads that ended."""
         now = time.monotonic()
-        for name, peer in list(self._peers.items()):
-            self._progress_peer(name, peer, now)
+        for producer in list(self._producers.values()):
+            self._progress_producer(producer, now)
         self._progress_transfers(now)
         finished, self._finished = self._finished, []
         return finished
@@ -140,63 +272,139 @@ class NixlReader:
         for transfer in self._transfers:
             self._release_handle(transfer)
         self._transfers.clear()
-        self._resolver.shutdown(wait=False, cancel_futures=True)
+        for producer in self._producers.values():
+            if producer.fetch is not None:
+                producer.fetch.cancel()
+            producer.channel.close()
+        self._producers.clear()
         self._agent.deregister(self._registration)
 
     # ---- internals ----------------------------------------------------------------------
 
-    def _peer(self, location: NixlLocation) -> _Peer:
-        peer = self._peers.get(location.agent_name)
-        if peer is not None and peer.address != location.agent_address:
-            # A known agent at a new address has restarted: its old metadata is stale.
-            self._fail_peer(location.agent_name, peer, f"agent {location.agent_name!r} moved to {location.agent_address}")
-            peer = None
-        if peer is None:
-            peer = self._peers[location.agent_name] = _Peer(location.agent_address)
-        return peer
+    def _producer(self, address: str) -> _Producer | None:
+        producer = self._producers.get(address)
+        if producer is None:
+            host, separator, port = address.rpartition(":")
+            if not separator or not host or not port.isdigit():
+                return None
+            if self._channel_credentials is None:
+                channel = grpc.insecure_channel(address)
+            else:
+                channel = grpc.secure_channel(address, self._channel_credentials)
+            producer = self._producers[address] = _Producer(address, channel)
+        return producer
 
-    def _progress_peer(self, name: str, peer: _Peer, now: float) -> None:
-        if not peer.ready:
-            if not self._load_metadata(name, peer, now):
-                return
-        if peer.releases:
-            try:
-                self._agent.notify(name, _LEASE_SEPARATOR.join(peer.releases).encode())
-            except TransferError as exc:
-                logger.warning("could not release %d leases on %r (they expire by TTL): %s", len(peer.releases), name, exc)
-            peer.releases.clear()
-        if peer.queued:
-            reads, peer.queued = peer.queued, []
-            self._post(name, reads, now)
+    def _progress_producer(self, producer: _Producer, now: float) -> None:
+        if producer.fetch is not None and producer.fetch.done():
+            self._fetched(producer)
+            if producer.address not in self._producers:
+                return  # unreachable and unknown: dropped
+        if producer.incoming is not None:
+            self._load_incoming(producer)
+        wanted = max((p.needs_epoch for p in producer.pending), default=1 if producer.releases else 0)
+        if producer.reload and wanted:
+            wanted = producer.epoch + 1
+        if wanted > producer.epoch and producer.fetch is None and producer.incoming is None:
+            self._start_fetch(producer)
+        if producer.credentials is None or producer.incoming is not None:
+            return
+        if producer.releases:
+            self._send_releases(producer)
+        ready = [p for p in producer.pending if p.needs_epoch <= producer.epoch]
+        if not ready:
+            return
+        producer.pending = [p for p in producer.pending if p.needs_epoch > producer.epoch]
+        verified = []
+        for pending in ready:
+            if self._verifies(pending.read.location, producer.credentials):
+                verified.append(pending.read)
+            elif not pending.refetched:
+                # Checked against credentials cached before this read came: the encoder may have
+                # restarted since (new agent, new key). Fetch them once more before refusing it.
+                producer.pending.append(_Pending(pending.read, producer.epoch + 1, refetched=True))
+            else:
+                self._finished.append((pending.read.key, _refusal(pending.read.location, producer)))
+        if verified:
+            self._post(producer, verified, now)
 
-    def _load_metadata(self, name: str, peer: _Peer, now: float) -> bool:
-        """Advances the metadata fetch; True once loaded. Fails the peer on error or timeout."""
+    def _start_fetch(self, producer: _Producer) -> None:
+        from epd.v1 import encoder_pb2, encoder_pb2_grpc
+
+        stub = encoder_pb2_grpc.EncoderServiceStub(producer.channel)
+        producer.fetch = stub.GetTransferMetadata.future(encoder_pb2.GetTransferMetadataRequest(), timeout=self._timeout_s)
+
+    def _fetched(self, producer: _Producer) -> None:
+        """A credential fetch ended: on failure only this producer's reads fail."""
+        fetch, producer.fetch = producer.fetch, None
         try:
-            if peer.requested_at is None:
-                if peer.resolving is None:
-                    peer.resolving = self._resolver.submit(_resolve_ipv4, peer.address)
-                if not peer.resolving.done():
-                    return False
-                ip, port = peer.resolving.result()
-                self._agent.request_metadata(name, ip, port)
-                peer.requested_at = now
-            if self._agent.has_metadata(name):
-                peer.ready = True
-                return True
-            if now - peer.requested_at > self._timeout_s:
-                raise TransferError(f"no metadata from NIXL agent {name!r} at {peer.address} within {self._timeout_s} s")
-        except (TransferError, ValueError, OSError) as exc:
-            self._fail_peer(name, peer, str(exc))
-        return False
+            response = fetch.result()
+        except grpc.RpcError as exc:
+            reason = f"no transfer metadata from the encoder at {producer.address}: {exc.code().name} {exc.details()}"
+            self._fail_waiting(producer, reason)
+            if producer.credentials is None and not self._has_transfers(producer.address):
+                producer.channel.close()
+                del self._producers[producer.address]
+            return
+        fetched = TransferCredentials(response.agent_name, response.agent_metadata, response.location_key)
+        if fetched == producer.credentials and not producer.reload:
+            producer.epoch += 1
+            return
+        owner = self._loaded.get(fetched.agent_name)
+        if owner is not None and owner != producer.address:
+            # Agent names are unique per process; another address claiming a loaded one is
+            # forged or misconfigured, and must not take the real producer's metadata away.
+            self._fail_waiting(producer, f"the encoder at {producer.address} claims NIXL agent {fetched.agent_name!r}, already served by {owner}")
+            return
+        producer.incoming = fetched
 
-    def _post(self, name: str, reads: list[Read], now: float) -> None:
+    def _load_incoming(self, producer: _Producer) -> None:
+        """Swaps in newly fetched credentials once no READ from the old agent is running (NIXL
+        must not drop an agent's metadata under a running transfer)."""
+        old = producer.credentials
+        if old is not None:
+            if any(t.agent == old.agent_name for t in self._transfers):
+                return
+            self._forget_agent(old.agent_name)
+        incoming, producer.incoming, producer.credentials, producer.reload = producer.incoming, None, None, False
+        try:
+            name = self._agent.load_peer(incoming.agent_metadata)
+            if name != incoming.agent_name:
+                self._forget_agent(name)
+                raise TransferError(f"the encoder at {producer.address} sent metadata of agent {name!r} as {incoming.agent_name!r}")
+        except TransferError as exc:
+            producer.epoch += 1
+            self._fail_waiting(producer, str(exc))
+            return
+        if old is not None:
+            logger.info("encoder at %s: NIXL agent %r replaced by %r (restarted)", producer.address, old.agent_name, name)
+        self._loaded[name] = producer.address
+        producer.credentials = incoming
+        producer.epoch += 1
+
+    def _verifies(self, location: NixlLocation, credentials: TransferCredentials) -> bool:
+        return location.agent_name == credentials.agent_name and tag_matches(location, credentials.location_key)
+
+    def _send_releases(self, producer: _Producer) -> None:
+        credentials = producer.credentials
+        lease_ids = [loc.lease_id for loc in producer.releases if self._verifies(loc, credentials)]
+        if len(lease_ids) < len(producer.releases):
+            logger.warning("dropped %d releases for %s whose locations do not verify", len(producer.releases) - len(lease_ids), producer.address)
+        producer.releases.clear()
+        if lease_ids:
+            try:
+                self._agent.notify(credentials.agent_name, _LEASE_SEPARATOR.join(lease_ids).encode())
+            except TransferError as exc:
+                logger.warning("could not release %d leases on %r (they expire by TTL): %s", len(lease_ids), credentials.agent_name, exc)
+
+    def _post(self, producer: _Producer, reads: list[Read], now: float) -> None:
+        agent = producer.credentials.agent_name
         cutoff_ms = time.time_ns() // 1_000_000 + self._expiry_margin_ms
         local: list[Row] = []
         remote: list[Row] = []
         posted: list[Read] = []
         for read in reads:
             if read.location.expires_at_unix_ms <= cutoff_ms:
-                self._finished.append((read.key, f"lease {read.location.lease_id} from {name!r} expired or expires within {self._expiry_margin_ms} ms"))
+                self._finished.append((read.key, f"lease {read.location.lease_id} from {agent!r} expired or expires within {self._expiry_margin_ms} ms"))
                 continue
             try:
                 rows = decode_descriptors(read.location.descriptors)
@@ -213,12 +421,12 @@ class NixlReader:
             return
         notification = _LEASE_SEPARATOR.join(read.location.lease_id for read in posted).encode()
         try:
-            handle = self._agent.post_read(name, local, remote, notification)
+            handle = self._agent.post_read(agent, local, remote, notification)
         except TransferError as exc:
-            self._forget(name)  # most refusals mean the producer restarted or left
+            self._needs_reload(producer)  # most refusals mean the producer restarted or left
             self._finished += [(read.key, str(exc)) for read in posted]
             return
-        self._transfers.append(_Transfer(name, handle, [read.key for read in posted], now))
+        self._transfers.append(_Transfer(producer.address, agent, handle, [read.key for read in posted], now))
 
     def _progress_transfers(self, now: float) -> None:
         running = []
@@ -229,10 +437,11 @@ class NixlReader:
                 continue
             error = None
             if state == "ERR":
-                error = f"READ from NIXL agent {transfer.peer!r} failed"
-                self._forget(transfer.peer)
+                error = f"READ from NIXL agent {transfer.agent!r} failed"
             elif state == "PROC":
-                error = f"READ from NIXL agent {transfer.peer!r} timed out after {self._timeout_s} s"
+                error = f"READ from NIXL agent {transfer.agent!r} timed out after {self._timeout_s} s"
+            if error is not None and transfer.producer in self._producers:
+                self._needs_reload(self._producers[transfer.producer])
             if not self._release_handle(transfer) and error is None:
                 error = "could not release the transfer handle"
             self._finished += [(key, error) for key in transfer.keys]
@@ -243,111 +452,39 @@ class NixlReader:
             self._agent.release(transfer.handle)
             return True
         except Exception:
-            logger.exception("could not cancel a READ from NIXL agent %r", transfer.peer)
+            logger.exception("could not cancel a READ from NIXL agent %r", transfer.agent)
             return False
 
-    def _fail_peer(self, name: str, peer: _Peer, reason: str) -> None:
-        self._finished += [(read.key, reason) for read in peer.queued]
-        if peer.releases:
-            logger.warning("could not release %d leases on %r (they expire by TTL): %s", len(peer.releases), name, reason)
-        self._forget(name)
+    def _needs_reload(self, producer: _Producer) -> None:
+        """A READ failed: fetch the credentials and load the metadata afresh before the next one
+        (the encoder may have restarted; a broken connection needs new metadata anyway)."""
+        producer.reload = True
+        for pending in producer.pending:
+            pending.needs_epoch = max(pending.needs_epoch, producer.epoch + 1)
 
-    def _forget(self, name: str) -> None:
-        peer = self._peers.pop(name, None)
-        if peer is not None and peer.ready:
-            try:
-                self._agent.forget_peer(name)
-            except Exception:  # already gone on NIXL's side
-                logger.debug("NIXL had no metadata left for agent %r", name, exc_info=True)
+    def _has_transfers(self, address: str) -> bool:
+        return any(t.producer == address for t in self._transfers)
 
+    def _fail_waiting(self, producer: _Producer, reason: str) -> None:
+        """Fails the reads that wait for this producer's credentials; verified ones keep going."""
+        waiting = [p for p in producer.pending if p.needs_epoch > producer.epoch or producer.credentials is None]
+        producer.pending = [p for p in producer.pending if p not in waiting]
+        self._finished += [(p.read.key, reason) for p in waiting]
+        if producer.releases and producer.credentials is None:
+            logger.warning("could not release %d leases on %s (they expire by TTL): %s", len(producer.releases), producer.address, reason)
+            producer.releases.clear()
 
-class LeaseReleaser:
-    """Ends a producer's leases without reading them, with the notification a READ would send.
-
-    The encoder service uses it for leases the gateway gives back (a request failed or was
-    aborted before its consumer read them). Calls block on the first contact with a producer
-    (fetching its metadata, bounded by ``timeout_s``), so callers run them off the event loop.
-    """
-
-    def __init__(self, agent_name: str, *, timeout_s: float = 5.0) -> None:
-        # A progress thread sends the notifications: nothing else here drives this agent.
-        self._agent = NixlAgent(agent_name, listen_port=0, progress_thread=True)
-        self._timeout_s = timeout_s
-        self._known: dict[str, str] = {}  # agent name -> address its metadata came from
-
-    def release(self, peer: str, address: str, lease_ids: Sequence[str]) -> None:
-        """Raises TransferError if the producer cannot be reached (its leases then expire)."""
-        if self._known.get(peer) != address:
-            if peer in self._known:
-                self._agent.forget_peer(peer)
-                del self._known[peer]
-            try:
-                ip, port = _resolve_ipv4(address)
-            except (ValueError, OSError) as exc:
-                raise TransferError(f"cannot reach NIXL agent {peer!r} at {address}: {exc}") from exc
-            self._agent.request_metadata(peer, ip, port)
-            deadline = time.monotonic() + self._timeout_s
-            while not self._agent.has_metadata(peer):
-                if time.monotonic() > deadline:
-                    raise TransferError(f"no metadata from NIXL agent {peer!r} at {address} within {self._timeout_s} s")
-                time.sleep(0.002)
-            self._known[peer] = address
-        self._agent.notify(peer, _LEASE_SEPARATOR.join(lease_ids).encode())
-
-    def close(self) -> None:
-        for peer in self._known:
-            try:
-                self._agent.forget_peer(peer)
-            except Exception:  # already gone on NIXL's side
-                logger.debug("NIXL had no metadata left for agent %r", peer, exc_info=True)
-        self._known.clear()
-
-
-def encode_descriptors(rows: Sequence[Row]) -> bytes:
-    return bytes([_DESCRIPTORS_VERSION]) + b"".join(_DESCRIPTOR_ROW.pack(*row) for row in rows)
-
-
-def decode_descriptors(blob: bytes) -> list[Row]:
-    """Raises ValueError for anything but this module's format."""
-    version, body = blob[:1], blob[1:]
-    if version != bytes([_DESCRIPTORS_VERSION]) or not body or len(body) % _DESCRIPTOR_ROW.size:
-        raise ValueError("malformed NIXL descriptors")
-    return [(address, length, device) for address, length, device in _DESCRIPTOR_ROW.iter_unpack(body)]
-
-
-def _start_listening_agent(name: str, listen_port: int) -> tuple[NixlAgent, int]:
-    """Starts an agent whose metadata listener is on ``listen_port``, or on a free port if 0.
-
-    NIXL can bind port 0 but cannot tell which port it got, so we probe for a free port
-    ourselves; another process may take it before NIXL binds, so a failed start is retried.
-    """
-
-    def start(port: int) -> tuple[NixlAgent, int]:
-        return NixlAgent(name, listen_port=port, progress_thread=True), port
-
-    if listen_port:
-        return start(listen_port)
-    for _ in range(_PORT_ATTEMPTS - 1):
-        port = free_port()  # NIXL binds all interfaces, so probe them all
+    def _forget_agent(self, name: str) -> None:
+        self._loaded.pop(name, None)
         try:
-            return start(port)
-        except RuntimeError:
-            logger.warning("NIXL listener could not bind port %d; retrying on another", port)
-    return start(free_port())
+            self._agent.forget_peer(name)
+        except Exception:  # already gone on NIXL's side
+            logger.debug("NIXL had no metadata left for agent %r", name, exc_info=True)
 
 
-def _resolve_ipv4(address: str) -> tuple[str, int]:
-    """Splits ``host:port`` and resolves the host: NIXL's side channel takes IPv4 literals only.
-
-    Raises:
-        ValueError: ``address`` is not ``host:port``.
-        OSError: the host name does not resolve.
-    """
-    host, separator, port_text = address.rpartition(":")
-    if not separator or not host or not port_text.isdigit():
-        raise ValueError(f"agent_address must be 'host:port', got {address!r}")
-    try:
-        return str(ipaddress.IPv4Address(host)), int(port_text)
-    except ValueError:
-        infos = socket.getaddrinfo(host, int(port_text), family=socket.AF_INET, type=socket.SOCK_STREAM)
-        return str(infos[0][4][0]), int(port_text)
+def _refusal(location: NixlLocation, producer: _Producer) -> str:
+    field = "agent_name" if location.agent_name != producer.credentials.agent_name else "location_tag"
+    return (
+        f"embedding.nixl.{field}: the location does not verify under the credentials of the encoder at {producer.address} "
+        f"(agent {producer.credentials.agent_name!r}): forged, altered, or from another encoder process; nothing was read"
+    )

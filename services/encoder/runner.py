@@ -18,7 +18,7 @@ from collections import defaultdict
 from epd import telemetry
 from epd.domain import EncodedItem, MediaInput, NixlLocation, Sampling
 from epd.engine import Engine
-from epd.errors import FieldViolation, Internal, InvalidArgument, ResourceExhausted
+from epd.errors import FailedPrecondition, FieldViolation, Internal, InvalidArgument, ResourceExhausted
 from epd.media import MediaLimits, check_modalities
 from epd.media.decode import MediaDecoder, vllm_input
 from epd.mm_items import metadata_from_published
@@ -40,13 +40,16 @@ class EncoderConfig:
 
 
 class EncoderRunner:
-    def __init__(self, config: EncoderConfig, engine: Engine):
+    def __init__(self, config: EncoderConfig, engine: Engine, *, address: str):
+        """``address``: this service's advertised gRPC host:port, where consumers fetch the
+        engine's transfer metadata (written into every NIXL location)."""
         self.config = config
         self.engine = engine
+        self.address = address
         self.decoder = MediaDecoder.for_model(engine.config.model, config.limits)
         self.renderer = PromptRenderer(engine.config.model)
         self._releaser = None
-        self._arena: tuple[str, str] | None = None  # (agent name, address) once something was published
+        self._credentials = None  # the engine's NIXL transfer credentials, read on first use
 
     async def encode(self, request_id: str, items: list[MediaInput]) -> list[EncodedItem]:
         """Encodes one request's items, in order. All are decoded before any reaches the engine,
@@ -71,24 +74,40 @@ class EncoderRunner:
             entry = published.get(item.content_hash)
             if entry is None or entry.location is None:
                 raise Internal(f"{path}: the encoder engine published no output for it: {entry.error if entry else 'missing'}")
-            if isinstance(entry.location, NixlLocation):
-                self._arena = (entry.location.agent_name, entry.location.agent_address)
-            encoded.append(EncodedItem(metadata_from_published(item.content_hash, entry), entry.location))
+            location = entry.location
+            if isinstance(location, NixlLocation):
+                location = dataclasses.replace(location, encoder_address=self.address)
+            encoded.append(EncodedItem(metadata_from_published(item.content_hash, entry), location))
         elapsed = time.perf_counter() - started
         for item in items:
             telemetry.ENCODER_ITEMS.labels(modality=item.modality.value).inc()
             telemetry.ENCODER_SECONDS.labels(modality=item.modality.value).observe(elapsed)
         return encoded
 
+    def transfer_credentials(self):
+        """The engine's NIXL agent metadata and location key, for GetTransferMetadata.
+
+        Raises:
+            FailedPrecondition: this encoder publishes inline; there is nothing to READ.
+        """
+        if self.engine.config.embedding_transport != "nixl":
+            raise FailedPrecondition("this encoder publishes embeddings inline; it has no NIXL transfer metadata")
+        if self._credentials is None:
+            from epd.transport.nixl import TransferCredentials
+
+            self._credentials = TransferCredentials.load(f"{self.engine.engine_id}-transfer")
+        return self._credentials
+
     async def release(self, lease_ids: list[str]) -> None:
-        """Ends leases no consumer will read, by the same NIXL notification a READ sends."""
-        if not lease_ids or self._arena is None:
-            return  # nothing was ever published over NIXL here, or the transport is inline
+        """Ends leases no consumer will read, by the same NIXL notification a READ sends. An id
+        of no live lease frees nothing (ids are 128 random bits: none can be guessed)."""
+        if not lease_ids or self.engine.config.embedding_transport != "nixl":
+            return  # inline leases end as soon as they are published
         if self._releaser is None:
             from epd.transport.nixl import LeaseReleaser
 
-            self._releaser = LeaseReleaser(f"{self.engine.engine_id}-release")
-        await asyncio.to_thread(self._releaser.release, *self._arena, lease_ids)
+            self._releaser = LeaseReleaser(f"{self.engine.engine_id}-release", self.transfer_credentials(), bind_host=self.engine.config.nixl_listen_host)
+        await asyncio.to_thread(self._releaser.release, lease_ids)
 
     def close(self) -> None:
         if self._releaser is not None:

@@ -48,3 +48,20 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         lease_ids = list(request.lease_ids)
         await self._ready_runner().release(lease_ids)
         return encoder_pb2.ReleaseEmbeddingsResponse(released_count=len(lease_ids))
+
+    @rpc_method("encoder")
+    async def GetTransferMetadata(self, request: encoder_pb2.GetTransferMetadataRequest, context) -> encoder_pb2.GetTransferMetadataResponse:
+        """Hands a consumer the engine's NIXL agent metadata and location key (secrets: only
+        over this channel, which TLS protects where configured).
+
+        Args:
+            request: empty.
+            context: the RPC context.
+
+        Returns:
+            The agent's name and metadata, and the key that authenticates its locations.
+        """
+        credentials = self._ready_runner().transfer_credentials()
+        return encoder_pb2.GetTransferMetadataResponse(
+            agent_name=credentials.agent_name, agent_metadata=credentials.agent_metadata, location_key=credentials.location_key
+        )
