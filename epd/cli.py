@@ -196,7 +196,8 @@ def _engine_config(args, *extra: Sequence[str]):
     # Peers dial the advertised host; a wildcard bind is reachable on loopback at least.
     advertised = args.host if args.host != "0.0.0.0" else "127.0.0.1"
     values = _values(args, [name for group in (_ENGINE_FIELDS, *extra) for name in group])
-    return EngineConfig(model=args.model, nixl_side_channel_host=advertised, nixl_listen_host=advertised, **values)
+    tls = _tls_config(args, _SERVER_TLS_FIELDS)
+    return EngineConfig(model=args.model, nixl_side_channel_host=advertised, nixl_listen_host=advertised, tls=tls, **values)
 
 
 def _media_limits(args):

@@ -29,6 +29,7 @@ from typing import Any
 from epd.domain import FinishReason, KvHandoff, Modality, Sampling
 from epd.errors import InvalidArgument, Unavailable
 from epd.ports import free_port
+from epd.security import TlsConfig
 
 logger = logging.getLogger(__name__)
 
@@ -75,7 +76,9 @@ class EngineConfig:
     embedding_buffer_bytes: int = 64 * 1024 * 1024  # encoder arena / consumer receive buffer
     arena_slot_bytes: int = 64 * 1024
     lease_ttl_s: float = 60.0
-    nixl_listen_host: str = "127.0.0.1"  # the host consumers dial for the encoder's NIXL metadata
+    # The service's own TLS files: the consumer fetches encoders' NIXL metadata over gRPC with them.
+    tls: TlsConfig = TlsConfig()
+    nixl_listen_host: str = "127.0.0.1"  # the host whose network device the encoder's NIXL agent (UCX) listens on
     embedding_read_timeout_s: float = 10.0
 
 
@@ -303,6 +306,9 @@ class Engine:
             lease_ttl_s=config.lease_ttl_s,
             listen_host=config.nixl_listen_host,
             read_timeout_s=config.embedding_read_timeout_s,
+            tls_ca_file=config.tls.tls_ca,
+            tls_cert_file=config.tls.tls_cert,
+            tls_key_file=config.tls.tls_key,
         )
         return {
             "ec_connector": "EpdECConnector",
@@ -380,6 +386,10 @@ def _configure_vllm_environment(config: EngineConfig) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if config.role.kv_role is not None:
+        from epd.transport._agent import restrict_ucx_devices
+
+        # vLLM's KV agent starts UCX before any EPD agent would: fence it to the service's host.
+        restrict_ucx_devices(config.nixl_side_channel_host)
         os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = config.nixl_side_channel_host
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(config.nixl_side_channel_port or free_port(config.nixl_side_channel_host))
 
