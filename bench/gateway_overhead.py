@@ -67,6 +67,10 @@ class _Encoder:
 
         return encoder_pb2.ReleaseEmbeddingsResponse(released_count=len(request.lease_ids))
 
+    async def GetTransferMetadata(self, request, context):
+        # Inline embeddings need no NIXL agent; a consumer asking for one is a bug in the bench.
+        await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "the stand-in encoder publishes inline embeddings only")
+
 
 class _Prefill:
     async def Prefill(self, request, context):
