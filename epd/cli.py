@@ -38,6 +38,7 @@ _HELP = {
     "lease_ttl_s": "how long a published embedding waits for its consumer",
     "embedding_read_timeout_s": "limit on one encoder's NIXL metadata fetch or READ",
     "queue_timeout_s": "how long an Encode may wait for arena space or the engine before RESOURCE_EXHAUSTED",
+    "max_prompt_bytes": "refuse chats with more text than this, before tokenizing (0: no limit)",
     "max_attempts": "tries per request, on other instances, when a stage is UNAVAILABLE before the first token",
     "retry_backoff_s": "first retry's backoff ceiling (doubles per try, full jitter, within the deadline)",
     "max_image_pixels": "per image and per video frame",
@@ -135,6 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="benchmarks' baseline: also send every item's media to prefill and decode, which lay it out from the media",
     )
     _flags(gw, _retry_policy_class(), ["max_attempts", "retry_backoff_s"])
+    _flags(gw, _gateway_config_class(), ["max_prompt_bytes"])
     gw.add_argument("--auth-token-file", default="", help="require 'authorization: Bearer <token>' (the file's content) on every call but health and reflection")
     _media_limit_flags(gw)
 
@@ -172,6 +174,12 @@ def _encoder_config_class():
     return EncoderConfig
 
 
+def _gateway_config_class():
+    from gateway.server import GatewayConfig
+
+    return GatewayConfig
+
+
 def _retry_policy_class():
     from gateway.router import RetryPolicy
 
@@ -207,9 +215,11 @@ def _media_limits(args):
 
 
 def _run_service(args) -> None:
+    from epd.launcher import exit_with_launcher
     from epd.server import configure_logging
 
     configure_logging(args.log_level)
+    exit_with_launcher()
     server = _server_config(args)
     if args.command == "encoder":
         from services.encoder.runner import EncoderConfig
@@ -227,9 +237,9 @@ def _run_service(args) -> None:
         asyncio.run(serve(DecodeMode(args.mode), engine, server, allow_inline=args.allow_inline_embeddings))
     else:
         from gateway.pipeline import Mode
-        from gateway.server import GatewayConfig, serve
+        from gateway.server import serve
 
-        config = GatewayConfig(
+        config = _gateway_config_class()(
             model=args.model,
             mode=Mode(args.mode),
             encoders=tuple(args.encoder),
@@ -239,6 +249,8 @@ def _run_service(args) -> None:
             retry=_retry_policy_class()(**_values(args, ["max_attempts", "retry_backoff_s"])),
             forward_media=args.forward_media,
             auth_token_file=args.auth_token_file,
+            max_prompt_bytes=args.max_prompt_bytes,
+            max_prompt_tokens=args.max_model_len,
         )
         asyncio.run(serve(config, server, _engine_config(args)))
 

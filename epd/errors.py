@@ -7,6 +7,7 @@ escapes a handler is a bug and becomes INTERNAL.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import grpc
@@ -106,16 +107,25 @@ def internal_status(message: str) -> status_pb2.Status:
     return status_pb2.Status(code=code_pb2.INTERNAL, message=message)
 
 
-def from_rpc_error(error: grpc.aio.AioRpcError, *, peer: str) -> EpdError:
+# A stage's server and the gateway's client both time the same deadline; the server may cancel
+# the stream (RST_STREAM, seen by the client as CANCELLED) a little before the client's timer.
+_DEADLINE_SLACK_S = 0.25
+
+
+def from_rpc_error(error: grpc.aio.AioRpcError, *, peer: str, deadline: float | None = None) -> EpdError:
     """Re-raises a downstream stage's failure as the matching domain error.
 
     Client mistakes keep their code and field details, so a caller sees exactly what the stage
-    rejected; a stage that cannot be reached or crashed becomes UNAVAILABLE (retryable).
+    rejected; a stage that cannot be reached or crashed becomes UNAVAILABLE (retryable). A call
+    CANCELLED as the request's ``deadline`` (``time.monotonic()``) ran out is DEADLINE_EXCEEDED:
+    retrying it could not succeed.
     """
     from grpc_status import rpc_status
 
     code = error.code()
     message = f"{peer}: {error.details()}"
+    if code == grpc.StatusCode.CANCELLED and deadline is not None and time.monotonic() >= deadline - _DEADLINE_SLACK_S:
+        return DeadlineExceeded(f"{message} (the request's deadline ran out)")
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         violations = []
         status = rpc_status.from_call(error)

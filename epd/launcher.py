@@ -2,6 +2,11 @@
 
 Each service binds port 0 and prints ``EPD_LISTENING {...}`` then ``EPD_READY {...}`` on
 stdout; the launcher reads those lines, so no port is guessed and none can collide.
+
+No process outlives the launcher. Each service runs in its own process group, which its vLLM
+engine processes inherit, so stopping a service ends the whole group; and a service whose
+launcher dies (even by SIGKILL) notices it is orphaned and stops itself
+(:func:`exit_with_launcher`).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ import json
 import logging
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import tempfile
@@ -35,7 +41,8 @@ class ServiceProcess:
             stdout=subprocess.PIPE,
             stderr=self._log,
             text=True,
-            env={**os.environ, **(env or {})},
+            env={**os.environ, **(env or {}), _LAUNCHER_PID: str(os.getpid())},
+            start_new_session=True,  # its own process group: one killpg reaches its engine processes too
         )
         self._reader = threading.Thread(target=self._read_stdout, name=f"{name}-stdout", daemon=True)
         self._reader.start()
@@ -70,13 +77,38 @@ class ServiceProcess:
             self.process.terminate()
 
     def stop(self, timeout: float = 20) -> None:
+        """Drains the service (SIGTERM), then kills what is left of its process group: the
+        service if it did not exit in ``timeout`` s, and any engine process it left behind."""
         self.terminate()
         try:
             self.process.wait(timeout)
         except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
+            pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
         self._log.close()
+
+
+_LAUNCHER_PID = "EPD_LAUNCHER_PID"
+_ORPHAN_POLL_S = 0.5
+
+
+def exit_with_launcher() -> None:
+    """In a service the launcher started: SIGTERM ourselves (a normal drain and shutdown) once
+    the launcher is gone, for whatever reason it went. A no-op for a service started otherwise
+    (by Kubernetes, systemd or a shell)."""
+    launcher = os.environ.pop(_LAUNCHER_PID, None)  # popped: engine processes need no watch
+    if launcher is None:
+        return
+
+    def watch() -> None:
+        while os.getppid() == int(launcher):
+            time.sleep(_ORPHAN_POLL_S)
+        logger.warning("the launcher (pid %s) is gone: stopping", launcher)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
 
 
 class Stack:
@@ -152,6 +184,7 @@ def up_cli(args) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     model = args.model or str(ensure_tiny_checkpoint(args.family, pathlib.Path("checkpoints")))
+    signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the stack as Ctrl-C does
     stack = Stack()
     print(f"[epd up] model={model} mode={args.mode}; logs in {stack.log_dir}", flush=True)
     try:
@@ -171,6 +204,10 @@ def up_cli(args) -> int:
         return 0
     finally:
         stack.stop()
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 async def _demo(address: str, model: str) -> int:

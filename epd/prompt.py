@@ -4,36 +4,70 @@ media item, where the template puts it.
 The gateway renders every request here, so that all stages (and the monolithic oracle) start
 from the very same token ids; vLLM's processor in each engine expands the placeholders. The
 encoder renders a prompt of just its items, so its engine finds one placeholder per item.
+
+User text is tokenized as plain text: a ``<|im_start|>`` typed by a user becomes the tokens
+of those characters, never the control token, so no one can forge a turn or a system prompt.
+The template's own markup keeps its special tokens. To tell the two apart, each text part is
+rendered as a sentinel (private-use characters no tokenizer merges across) and tokenized on
+its own with ``split_special_tokens``. Templates that rewrite message text (say, strip it) see
+the sentinel instead; the Qwen-style templates insert text verbatim.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from epd.domain import ChatMessage, Modality, Role, TextPart
+from epd.errors import InvalidArgument
+
+_SENTINEL = "\ue000{}\ue001"
+_SENTINELS = re.compile("\ue000(\\d+)\ue001")
 
 
 class PromptRenderer:
-    def __init__(self, model_dir: str):
+    def __init__(self, model_dir: str, *, max_prompt_bytes: int = 0, max_prompt_tokens: int = 0):
+        """``max_prompt_bytes``: refuse chats whose text exceeds it, before any tokenizing;
+        ``max_prompt_tokens``: refuse rendered prompts longer than this (the model's context:
+        media only add tokens). 0 disables either."""
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.max_prompt_bytes = max_prompt_bytes
+        self.max_prompt_tokens = max_prompt_tokens
 
     def render(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """The chat, ready for the assistant's reply."""
-        conversation = [
-            {
-                "role": message.role.value,
-                "content": [{"type": "text", "text": part.text} if isinstance(part, TextPart) else {"type": part.modality.value} for part in message.parts],
-            }
-            for message in messages
-        ]
-        return self._tokens(conversation, add_generation_prompt=True)
+        """The chat, ready for the assistant's reply. Slow for long chats: call it off the loop.
+
+        Raises:
+            InvalidArgument: the chat is over a size limit.
+        """
+        size = sum(len(part.text.encode()) for message in messages for part in message.parts if isinstance(part, TextPart))
+        if self.max_prompt_bytes and size > self.max_prompt_bytes:
+            raise InvalidArgument.for_field("messages", f"hold {size} bytes of text, over the gateway's limit of {self.max_prompt_bytes} (--max-prompt-bytes)")
+        texts: list[str] = []
+
+        def content(part) -> dict:
+            if isinstance(part, TextPart):
+                texts.append(part.text)
+                return {"type": "text", "text": _SENTINEL.format(len(texts) - 1)}
+            return {"type": part.modality.value}
+
+        conversation = [{"role": message.role.value, "content": [content(part) for part in message.parts]} for message in messages]
+        template = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        ids: list[int] = []
+        # re.split alternates template markup and the captured text-part indices.
+        for position, segment in enumerate(_SENTINELS.split(template)):
+            if position % 2:
+                ids += self.tokenizer.encode(texts[int(segment)], add_special_tokens=False, split_special_tokens=True)
+            elif segment:
+                ids += self.tokenizer.encode(segment, add_special_tokens=False)
+        if self.max_prompt_tokens and len(ids) > self.max_prompt_tokens:
+            raise InvalidArgument.for_field("messages", f"render to {len(ids)} prompt tokens before any media, over the model's context of {self.max_prompt_tokens}")
+        return ids
 
     def render_items(self, modalities: Sequence[Modality]) -> list[int]:
         """A prompt holding one placeholder per item, in order, and nothing to generate from."""
-        return self._tokens([{"role": Role.USER.value, "content": [{"type": m.value} for m in modalities]}], add_generation_prompt=False)
-
-    def _tokens(self, conversation: list[dict], *, add_generation_prompt: bool) -> list[int]:
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=add_generation_prompt)
+        conversation = [{"role": Role.USER.value, "content": [{"type": m.value} for m in modalities]}]
+        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=False)
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -13,6 +13,7 @@ import logging
 
 import grpc
 from grpc_status import rpc_status
+from opentelemetry import trace
 
 from epd import telemetry
 from epd.errors import EpdError, internal_status, to_rpc_status
@@ -52,14 +53,24 @@ def rpc_method(service: str):
             @functools.wraps(handler)
             async def stream_wrapper(self, request, context):
                 telemetry.IN_FLIGHT.labels(service=service).inc()
+                server_span = span(self, context)
+                responses = handler(self, request, context)
                 try:
-                    with span(self, context):
-                        async for response in handler(self, request, context):
-                            yield response
+                    while True:
+                        # Current only while the handler runs, never across a yield: the stream
+                        # may be resumed or closed from another Context (a cancelled client).
+                        with trace.use_span(server_span):
+                            try:
+                                response = await anext(responses)
+                            except StopAsyncIteration:
+                                break
+                        yield response
                     record(grpc.StatusCode.OK)
                 except Exception as exc:  # noqa: BLE001 - mapped to a status right here
                     await handle_failure(context, exc)
                 finally:
+                    await responses.aclose()
+                    server_span.end()
                     telemetry.IN_FLIGHT.labels(service=service).dec()
 
             return stream_wrapper
@@ -68,7 +79,7 @@ def rpc_method(service: str):
         async def unary_wrapper(self, request, context):
             telemetry.IN_FLIGHT.labels(service=service).inc()
             try:
-                with span(self, context):
+                with trace.use_span(span(self, context), end_on_exit=True):
                     response = await handler(self, request, context)
                 record(grpc.StatusCode.OK)
                 return response

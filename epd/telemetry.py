@@ -70,11 +70,12 @@ def tracer(name: str) -> trace.Tracer:
     return trace.get_tracer(name)
 
 
-def server_span(full_method: str, invocation_metadata):
+def server_span(full_method: str, invocation_metadata) -> trace.Span:
     """The SERVER span of one RPC (``/package.Service/Method``), a child of the caller's span
-    when its metadata carries one; use as a context manager around the handler."""
+    when its metadata carries one. Started, not made current: the caller makes it current
+    (``trace.use_span``) around each step of the handler and ends it."""
     parent = propagate.extract({key: value for key, value in invocation_metadata or ()})
-    return trace.get_tracer(__name__).start_as_current_span(full_method, context=parent, kind=trace.SpanKind.SERVER)
+    return trace.get_tracer(__name__).start_span(full_method, context=parent, kind=trace.SpanKind.SERVER)
 
 
 def trace_metadata() -> tuple[tuple[str, str], ...]:

@@ -71,6 +71,12 @@ _ROLE_FROM_WIRE = {
 _MEDIA_FIELDS = {"image": Modality.IMAGE, "video": Modality.VIDEO, "audio": Modality.AUDIO}
 _PCM_FROM_WIRE = {multimodal_pb2.PCM_ENCODING_S16LE: PcmEncoding.S16LE, multimodal_pb2.PCM_ENCODING_F32LE: PcmEncoding.F32LE}
 _PCM_TO_WIRE = {v: k for k, v in _PCM_FROM_WIRE.items()}
+# OpenAI's range: above it sampling is noise, and vLLM would take any non-negative value.
+MAX_TEMPERATURE = 2.0
+# Frame rates a caller may declare or ask to sample at. Outside them timestamps and frame
+# counts turn absurd (1e-300 fps dates frames 5e299 s in), so they are refused.
+MIN_FRAME_RATE = 0.01
+MAX_FRAME_RATE = 1000.0
 
 
 # ---- sampling ---------------------------------------------------------------------------
@@ -80,8 +86,8 @@ def sampling_from_wire(msg: common_pb2.SamplingParams, field: str = "sampling") 
     violations = []
     if msg.max_tokens < 1:
         violations.append(FieldViolation(f"{field}.max_tokens", "must be at least 1"))
-    if msg.HasField("temperature") and msg.temperature < 0:
-        violations.append(FieldViolation(f"{field}.temperature", "must be >= 0"))
+    if msg.HasField("temperature") and not 0 <= msg.temperature <= MAX_TEMPERATURE:  # also refuses NaN
+        violations.append(FieldViolation(f"{field}.temperature", f"must be between 0 and {MAX_TEMPERATURE}"))
     if msg.HasField("top_p") and not 0 < msg.top_p <= 1:
         violations.append(FieldViolation(f"{field}.top_p", "must be in (0, 1]"))
     if msg.HasField("top_k") and (msg.top_k == 0 or msg.top_k < -1):
@@ -200,8 +206,8 @@ def _media_from_wire(kind: str, msg, field: str, violations: list[FieldViolation
     elif source_kind == "frames":
         if not msg.frames.frames:
             violations.append(FieldViolation(f"{source_field}.frames", "must contain at least one frame"))
-        if not msg.frames.fps > 0:
-            violations.append(FieldViolation(f"{source_field}.fps", "must be positive"))
+        if not MIN_FRAME_RATE <= msg.frames.fps <= MAX_FRAME_RATE:  # also refuses NaN
+            violations.append(FieldViolation(f"{source_field}.fps", f"must be between {MIN_FRAME_RATE} and {MAX_FRAME_RATE} frames per second"))
         frames = tuple(_file_from_wire(f, f"{source_field}.frames[{k}]", violations) for k, f in enumerate(msg.frames.frames))
         source = VideoFrames(frames, msg.frames.fps)
     else:
@@ -216,8 +222,8 @@ def _media_from_wire(kind: str, msg, field: str, violations: list[FieldViolation
             violations.append(FieldViolation(f"{source_field}.encoding", "must be PCM_ENCODING_S16LE or PCM_ENCODING_F32LE"))
         source = PcmAudio(pcm.data, pcm.sample_rate_hz, pcm.channels, _PCM_FROM_WIRE.get(pcm.encoding, PcmEncoding.S16LE))
     if modality is Modality.VIDEO:
-        if msg.sampling.fps < 0:
-            violations.append(FieldViolation(f"{field}.sampling.fps", "must not be negative"))
+        if not (msg.sampling.fps == 0 or MIN_FRAME_RATE <= msg.sampling.fps <= MAX_FRAME_RATE):  # also refuses NaN
+            violations.append(FieldViolation(f"{field}.sampling.fps", f"must be 0 (the model's default) or between {MIN_FRAME_RATE} and {MAX_FRAME_RATE}"))
         sampling = VideoSampling(msg.sampling.fps or None, msg.sampling.max_frames or None)
     return modality, source, sampling
 
@@ -445,8 +451,21 @@ def kv_handoff_to_wire(kv: KvHandoff) -> engine_pb2.KvHandoff:
 
 
 def kv_handoff_from_wire(msg: engine_pb2.KvHandoff) -> KvHandoff:
-    if not msg.remote_engine_id or not msg.remote_host:
-        raise InvalidArgument.for_field("kv_handoff", "remote_engine_id and remote_host are required")
+    """Checks what a forged handoff could break the KV-consumer engine with before it gets there
+    (vLLM's connector trusts these values; an empty block list made its engine core exit)."""
+    violations = []
+    if not msg.remote_engine_id:
+        violations.append(FieldViolation("kv_handoff.remote_engine_id", "is required"))
+    if not msg.remote_host:
+        violations.append(FieldViolation("kv_handoff.remote_host", "is required"))
+    if not 0 < msg.remote_port < 65536:
+        violations.append(FieldViolation("kv_handoff.remote_port", "must be a TCP port (1-65535)"))
+    if not msg.remote_request_id:
+        violations.append(FieldViolation("kv_handoff.remote_request_id", "is required"))
+    if not msg.remote_block_groups or not all(group.block_ids for group in msg.remote_block_groups):
+        violations.append(FieldViolation("kv_handoff.remote_block_groups", "must hold at least one block in every KV-cache group"))
+    if violations:
+        raise InvalidArgument("invalid kv_handoff", violations)
     return KvHandoff(
         remote_engine_id=msg.remote_engine_id,
         remote_block_groups=tuple(tuple(g.block_ids) for g in msg.remote_block_groups),

@@ -225,7 +225,7 @@ class MonolithicPipeline:
     async def generate(self, request: GenerateRequest, deadline: float | None) -> AsyncIterator[Event]:
         clock = _Clock()
         check_media(request, self.limits)
-        prompt: dict = {"prompt_token_ids": self.renderer.render(request.messages)}
+        prompt: dict = {"prompt_token_ids": await asyncio.to_thread(self.renderer.render, request.messages)}
         media = request.media
         if media:
             check_modalities(media, wire.media_paths(request), self.engine.modalities)

@@ -31,6 +31,12 @@ class GatewayConfig:
     retry: RetryPolicy = RetryPolicy()
     forward_media: bool = False  # benchmarks' media-forwarding baseline
     auth_token_file: str = ""  # clients must send this file's token; empty: no token required
+    max_prompt_bytes: int = 1024 * 1024  # text of one chat, checked before tokenizing
+    max_prompt_tokens: int = 0  # the model's context (the CLI passes --max-model-len); 0: unchecked
+
+
+def _renderer(config: GatewayConfig) -> PromptRenderer:
+    return PromptRenderer(config.model, max_prompt_bytes=config.max_prompt_bytes, max_prompt_tokens=config.max_prompt_tokens)
 
 
 def _disaggregated(config: GatewayConfig, host: GrpcHost, credentials: grpc.ChannelCredentials | None) -> DisaggregatedPipeline:
@@ -55,7 +61,7 @@ def _disaggregated(config: GatewayConfig, host: GrpcHost, credentials: grpc.Chan
         prefills = PrefillClient(pool("prefill", config.prefills, prefill_pb2, "PrefillService", prefill_pb2_grpc.PrefillServiceStub))
     return DisaggregatedPipeline(
         config.mode,
-        PromptRenderer(config.model),
+        _renderer(config),
         config.limits,
         encoders=EncoderClient(pool("encoder", config.encoders, encoder_pb2, "EncoderService", encoder_pb2_grpc.EncoderServiceStub)),
         prefills=prefills,
@@ -83,7 +89,7 @@ async def serve(config: GatewayConfig, server: ServerConfig, engine_config: Engi
             servicer.pipeline = _disaggregated(config, host, channel_credentials(server.tls))
         else:
             decoder = MediaDecoder.for_model(config.model, config.limits)
-            servicer.pipeline = MonolithicPipeline(PromptRenderer(config.model), config.limits, decoder, engine)
+            servicer.pipeline = MonolithicPipeline(_renderer(config), config.limits, decoder, engine)
 
     async def close_pipeline() -> None:
         if servicer.pipeline is not None:

@@ -38,7 +38,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         """
         if self.pipeline is None:
             raise Unavailable("gateway is still starting")
-        generate = wire.generate_request_from_wire(request)
+        # Parsing hashes every media item: megabytes of work that must not stall other streams.
+        generate = await asyncio.to_thread(wire.generate_request_from_wire, request)
         if generate.request_id in self._in_flight:
             raise AlreadyExists(f"request_id {generate.request_id!r} is already in flight")
         remaining = context.time_remaining()

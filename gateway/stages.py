@@ -50,10 +50,10 @@ class StageFailed(Unavailable):
         self.address = address
 
 
-def _stage_error(pool: StagePool, address: str, exc: grpc.aio.AioRpcError) -> EpdError:
-    """The domain error for a failed call; an UNAVAILABLE instance leaves the rotation."""
-    error = from_rpc_error(exc, peer=f"{pool.stage} {address}")
-    if exc.code() != grpc.StatusCode.UNAVAILABLE:
+def _stage_error(pool: StagePool, address: str, exc: grpc.aio.AioRpcError, deadline: float | None) -> EpdError:
+    """The domain error for a failed call; an instance that failed it leaves the rotation."""
+    error = from_rpc_error(exc, peer=f"{pool.stage} {address}", deadline=deadline)
+    if not isinstance(error, Unavailable):
         return error
     pool.eject(address, exc.details() or "UNAVAILABLE")
     return StageFailed(pool.stage, address, error.message)
@@ -91,7 +91,7 @@ class EncoderClient:
                 try:
                     response = await stub.Encode(message, timeout=time_left(deadline), metadata=telemetry.trace_metadata())
                 except grpc.aio.AioRpcError as exc:
-                    raise _remap_item_fields(_stage_error(self.pool, address, exc), [paths[i] for i in indices]) from exc
+                    raise _remap_item_fields(_stage_error(self.pool, address, exc, deadline), [paths[i] for i in indices]) from exc
             for i, item in zip(indices, wire.encoded_items_from_wire(response.items), strict=True):
                 results[i] = item
                 leases.add(address, item)
@@ -122,7 +122,7 @@ class PrefillClient:
             try:
                 response = await stub.Prefill(wire.prefill_request_to_wire(request), timeout=time_left(deadline), metadata=telemetry.trace_metadata())
             except grpc.aio.AioRpcError as exc:
-                raise _stage_error(self.pool, address, exc) from exc
+                raise _stage_error(self.pool, address, exc, deadline) from exc
         return wire.kv_handoff_from_wire(response.kv_handoff)
 
 
@@ -158,7 +158,7 @@ class DecodeClient:
                         yield DecodeEnd(wire.finish_reason_from_wire(response.finish_reason), response.prompt_token_count)
                         return
             except grpc.aio.AioRpcError as exc:
-                raise _stage_error(self.pool, address, exc) from exc
+                raise _stage_error(self.pool, address, exc, deadline) from exc
             finally:
                 call.cancel()  # no-op once done
         raise StageFailed("decode", address, f"decode {address} ended its stream without a finish reason")

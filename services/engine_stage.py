@@ -62,6 +62,8 @@ class EngineStage:
     async def decode(self, request: EngineRequest) -> AsyncIterator[EngineStep]:
         """Streams the reply: from a KV handoff (decode), or the whole generation (combined)."""
         self._check_role(request)
+        if request.kv_handoff is not None:
+            await _check_resolvable(request.kv_handoff)
         prompt = await self._prompt(request)
         kv_params = kv_params_for_decode(request.kv_handoff) if request.kv_handoff is not None else None
         async for step in self.engine.generate(f"{request.request_id}-decode", prompt, request.sampling, kv_params=kv_params, ec_params=self._ec_params(request)):
@@ -132,6 +134,18 @@ class EngineStage:
         media = [item.forwarded_media for _, item in items]
         values = await asyncio.to_thread(self._decoder.decode_all, media, [f"items[{i}].forwarded_media" for i, _ in items])
         return {index: vllm_input(m.modality, value) for (index, _), m, value in zip(items, media, values, strict=True)}
+
+
+async def _check_resolvable(handoff: KvHandoff, timeout_s: float = 5.0) -> None:
+    """A handoff naming a host that does not resolve is the caller's mistake (or a forgery):
+    refused here rather than failing inside vLLM's connector, which would report it as an engine
+    failure (retryable)."""
+    import socket
+
+    try:
+        await asyncio.wait_for(asyncio.get_running_loop().getaddrinfo(handoff.remote_host, handoff.remote_port, type=socket.SOCK_STREAM), timeout_s)
+    except (OSError, UnicodeError, TimeoutError) as exc:
+        raise InvalidArgument.for_field("kv_handoff.remote_host", f"{handoff.remote_host!r} does not resolve ({exc.__class__.__name__})") from exc
 
 
 def _check_layout(items: tuple[EncodedItem, ...], rendered: RenderedPrompt) -> None:

@@ -67,6 +67,21 @@ async def test_one_trace_spans_every_hop(family_stack, otlp_receiver):
     assert any(wanted <= services for services in traces.values()), traces
 
 
+async def test_streamed_calls_leave_no_trace_context_errors(family_stack):
+    """OpenTelemetry once logged "Failed to detach context" on streamed calls, most of all on
+    streams a client drops: the server span must be current only inside the handler's steps."""
+    png = synthetic_image_png(110, 90, seed=62)
+    for mode in ("epd", "epd-combined"):
+        await generate(family_stack.gateway_stub(mode), chat_request([(png, "image/png"), "Hi"], max_tokens=4), timeout=120)
+        dropped = family_stack.gateway_stub(mode).Generate(chat_request([(png, "image/png"), "Hi"], max_tokens=64, min_tokens=64), timeout=120)
+        async for _ in dropped:
+            break  # the first delta, then the client goes away
+        dropped.cancel()
+    await asyncio.sleep(2)  # the stages see the cancellation
+    for service in family_stack.stack.services:
+        assert "Failed to detach context" not in service.log_path.read_text(errors="replace"), service.name
+
+
 async def test_sigterm_drains_in_flight_streams_and_refuses_new_ones(family_stack):
     args = gateway_args(
         family_stack.model, "epd-combined", encoders=[family_stack.encoder.address], decodes=[family_stack.combined.address], extra=["--drain-grace-s", "60"]

@@ -11,7 +11,7 @@ from epd.domain import EngineField, GridThw, InlineEmbedding, ItemMetadata, Moda
 from epd.errors import InvalidArgument, ResourceExhausted, to_rpc_status
 from epd.mm_items import batch_fields, engine_field_from_vllm, metadata_from_published, vllm_fields
 from epd.transport.ec_params import ExpectedItem, PublishedItem, expected_from_params, expected_to_params, published_from_params, published_to_params
-from epd.v1 import common_pb2, gateway_pb2, multimodal_pb2
+from epd.v1 import common_pb2, engine_pb2, gateway_pb2, multimodal_pb2
 
 
 def _request(parts, max_tokens=8):
@@ -122,3 +122,73 @@ def test_rich_status_details():
     retry = error_details_pb2.RetryInfo()
     assert to_rpc_status(ResourceExhausted("full", retry_after_s=0.5)).details[0].Unpack(retry)
     assert retry.retry_delay.ToMilliseconds() == 500
+
+
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf"), -0.5, 2.5])
+def test_temperature_outside_zero_to_two_or_not_a_number_is_refused(temperature):
+    request = _request([gateway_pb2.ContentPart(text="hi")])
+    request.sampling.temperature = temperature
+    with pytest.raises(InvalidArgument) as info:
+        wire.generate_request_from_wire(request)
+    assert _fields(info.value) == ["sampling.temperature"]
+
+
+@pytest.mark.parametrize(("frames_fps", "sampling_fps", "field"), [
+    (1e-300, 0.0, "messages[0].parts[0].video.frames.fps"),
+    (float("nan"), 0.0, "messages[0].parts[0].video.frames.fps"),
+    (1e6, 0.0, "messages[0].parts[0].video.frames.fps"),
+    (24.0, float("nan"), "messages[0].parts[0].video.sampling.fps"),
+    (24.0, -1.0, "messages[0].parts[0].video.sampling.fps"),
+])
+def test_absurd_frame_rates_are_refused(frames_fps, sampling_fps, field):
+    frame = multimodal_pb2.Media(data=b"\x89PNG", mime_type="image/png")
+    video = multimodal_pb2.Video(frames=multimodal_pb2.VideoFrames(frames=[frame], fps=frames_fps), sampling=multimodal_pb2.VideoSampling(fps=sampling_fps))
+    with pytest.raises(InvalidArgument) as info:
+        wire.generate_request_from_wire(_request([gateway_pb2.ContentPart(video=video), gateway_pb2.ContentPart(text="hi")]))
+    assert _fields(info.value) == [field]
+
+
+def _handoff(**changes):
+    handoff = engine_pb2.KvHandoff(
+        remote_engine_id="e", remote_block_groups=[engine_pb2.KvBlockGroup(block_ids=[1, 2])], remote_host="127.0.0.1", remote_port=5600, remote_request_id="r"
+    )
+    for name, value in changes.items():
+        if name == "remote_block_groups":
+            del handoff.remote_block_groups[:]
+            handoff.remote_block_groups.extend(value)
+        else:
+            setattr(handoff, name, value)
+    return handoff
+
+
+def test_a_well_formed_kv_handoff_is_taken():
+    assert wire.kv_handoff_from_wire(_handoff()).remote_block_groups == ((1, 2),)
+
+
+@pytest.mark.parametrize(("changes", "field"), [
+    ({"remote_block_groups": []}, "kv_handoff.remote_block_groups"),
+    ({"remote_block_groups": [engine_pb2.KvBlockGroup()]}, "kv_handoff.remote_block_groups"),
+    ({"remote_port": 0}, "kv_handoff.remote_port"),
+    ({"remote_port": 70000}, "kv_handoff.remote_port"),
+    ({"remote_host": ""}, "kv_handoff.remote_host"),
+    ({"remote_engine_id": ""}, "kv_handoff.remote_engine_id"),
+    ({"remote_request_id": ""}, "kv_handoff.remote_request_id"),
+])
+def test_a_forged_kv_handoff_is_refused_at_the_edge(changes, field):
+    """vLLM's connector trusts these values: an empty block list made a decode engine core exit."""
+    with pytest.raises(InvalidArgument) as info:
+        wire.kv_handoff_from_wire(_handoff(**changes))
+    assert _fields(info.value) == [field]
+
+
+def test_cancelled_at_the_deadline_is_deadline_exceeded_and_otherwise_unavailable():
+    """A stage's server may cancel a stream as the shared deadline runs out, a moment before the
+    client's own timer: that must not read as a retryable failure."""
+    import time
+
+    from epd.errors import DeadlineExceeded, Unavailable, from_rpc_error
+
+    cancelled = grpc.aio.AioRpcError(grpc.StatusCode.CANCELLED, grpc.aio.Metadata(), grpc.aio.Metadata(), details="Received RST_STREAM")
+    assert isinstance(from_rpc_error(cancelled, peer="decode", deadline=time.monotonic() + 0.1), DeadlineExceeded)
+    assert type(from_rpc_error(cancelled, peer="decode", deadline=time.monotonic() + 30)) is Unavailable
+    assert type(from_rpc_error(cancelled, peer="decode")) is Unavailable

@@ -19,7 +19,7 @@ from epd import telemetry
 from epd.domain import EncodedItem, MediaInput, NixlLocation, Sampling
 from epd.engine import Engine
 from epd.errors import FailedPrecondition, FieldViolation, Internal, InvalidArgument, ResourceExhausted
-from epd.media import MediaLimits, check_modalities
+from epd.media import MediaLimits, check_modalities, source_field
 from epd.media.decode import MediaDecoder, vllm_input
 from epd.mm_items import metadata_from_published
 from epd.prompt import PromptRenderer
@@ -59,13 +59,7 @@ class EncoderRunner:
         started = time.perf_counter()
         # Off the event loop: a video decode takes long enough to stall other calls.
         decoded = await asyncio.to_thread(self.decoder.decode_all, items, paths)
-        data: dict[str, list] = defaultdict(list)
-        uuids: dict[str, list[str]] = defaultdict(list)
-        for item, value in zip(items, decoded, strict=True):
-            data[item.modality.value].append(vllm_input(item.modality, value))
-            uuids[item.modality.value].append(item.content_hash)
-        prompt = {"prompt_token_ids": self.renderer.render_items([i.modality for i in items]), "multi_modal_data": dict(data), "multi_modal_uuids": dict(uuids)}
-        rendered = await self.engine.render(prompt, "items")
+        rendered = await self._render(items, decoded, paths)
         self._check_fits(rendered, paths)
         params = await self._run(f"{request_id}-encode", rendered)
         published = published_from_params(params)
@@ -114,6 +108,28 @@ class EncoderRunner:
             self._releaser.close()
 
     # ---- internals ----------------------------------------------------------------------
+
+    def _prompt(self, items: list[MediaInput], decoded: list) -> dict:
+        data: dict[str, list] = defaultdict(list)
+        uuids: dict[str, list[str]] = defaultdict(list)
+        for item, value in zip(items, decoded, strict=True):
+            data[item.modality.value].append(vllm_input(item.modality, value))
+            uuids[item.modality.value].append(item.content_hash)
+        return {"prompt_token_ids": self.renderer.render_items([i.modality for i in items]), "multi_modal_data": dict(data), "multi_modal_uuids": dict(uuids)}
+
+    async def _render(self, items: list[MediaInput], decoded: list, paths: list[str]):
+        """vLLM's processor on the request's items. When it refuses them, the item it refuses
+        alone is blamed (say, an image too narrow for the patch grid); a refusal of the set only
+        (more items than the model takes per prompt) blames them all."""
+        try:
+            return await self.engine.render(self._prompt(items, decoded), "items")
+        except InvalidArgument as whole:
+            for index, path in enumerate(paths):
+                try:
+                    await self.engine.render(self._prompt(items[index : index + 1], decoded[index : index + 1]), f"{path}.{source_field(items[index])}")
+                except InvalidArgument as alone:
+                    raise alone from whole
+            raise
 
     def _check_fits(self, rendered, paths: list[str]) -> None:
         """Refuses items the arena can never hold (it would otherwise keep them waiting).
