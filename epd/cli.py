@@ -48,21 +48,32 @@ _HELP = {
     "tls_key": "PEM private key of --tls-cert",
     "tls_ca": "PEM CA that signs peers: verifies the servers this dials (TLS to them) and, with --require-client-cert, its clients",
     "require_client_cert": "mTLS: refuse clients without a certificate signed by --tls-ca",
+    "http_port": "serve the OpenAI-compatible API (/v1/chat/completions, /v1/models) on --host at this port; 0 picks a free one, -1: off",
+    "allowed_media_domains": "comma-separated hosts (exact names, no subdomains) the HTTP front may fetch media URLs from; empty: URLs refused",
+    "media_fetch_timeout_s": "limit on fetching all remote media of one request, redirects included",
 }
 _SERVER_TLS_FIELDS = ("tls_cert", "tls_key", "tls_ca", "require_client_cert")
+_HTTP_FIELDS = ("http_port", "allowed_media_domains", "media_fetch_timeout_s")
 _CLIENT_TLS_FIELDS = ("tls_ca", "tls_cert", "tls_key")
 
 
 def _flags(parser: argparse.ArgumentParser, cls: type, names: Sequence[str]) -> None:
-    """Adds ``--name`` flags for dataclass fields, typed and defaulted by the fields."""
+    """Adds ``--name`` flags for dataclass fields, typed and defaulted by the fields (a tuple
+    field takes a comma-separated list)."""
     defaults = {f.name: f.default for f in dataclasses.fields(cls)}
     for name in names:
         default = defaults[name]
         flag = "--" + name.replace("_", "-")
         if isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=_HELP.get(name))
+        elif isinstance(default, tuple):
+            parser.add_argument(flag, type=_comma_separated, default=default, help=_HELP.get(name))
         else:
             parser.add_argument(flag, type=type(default), default=default, help=_HELP.get(name))
+
+
+def _comma_separated(text: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in text.split(",") if item.strip())
 
 
 def _values(args: argparse.Namespace, names: Sequence[str]) -> dict:
@@ -136,8 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="benchmarks' baseline: also send every item's media to prefill and decode, which lay it out from the media",
     )
     _flags(gw, _retry_policy_class(), ["max_attempts", "retry_backoff_s"])
-    _flags(gw, _gateway_config_class(), ["max_prompt_bytes"])
-    gw.add_argument("--auth-token-file", default="", help="require 'authorization: Bearer <token>' (the file's content) on every call but health and reflection")
+    _flags(gw, _gateway_config_class(), ["max_prompt_bytes", *_HTTP_FIELDS])
+    gw.add_argument("--auth-token-file", default="", help="require 'authorization: Bearer <token>' (the file's content) on every gRPC call but health and reflection, and on every HTTP route")
     _media_limit_flags(gw)
 
     up = sub.add_parser("up", help="build the tiny checkpoint if needed and run the whole stack on loopback")
@@ -148,6 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--prefills", type=int, default=1)
     up.add_argument("--decodes", type=int, default=1)
     up.add_argument("--demo", action="store_true", help="send one request with media the model takes, print the stream, then stop")
+    _flags(up, _gateway_config_class(), ["http_port"])
 
     gen = sub.add_parser("generate", help="stream a reply from a gateway")
     gen.add_argument("prompt")
@@ -251,6 +263,7 @@ def _run_service(args) -> None:
             auth_token_file=args.auth_token_file,
             max_prompt_bytes=args.max_prompt_bytes,
             max_prompt_tokens=args.max_model_len,
+            **_values(args, _HTTP_FIELDS),
         )
         asyncio.run(serve(config, server, _engine_config(args)))
 

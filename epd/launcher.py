@@ -35,6 +35,7 @@ class ServiceProcess:
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.port: int | None = None
         self.metrics_port: int | None = None
+        self.http_port: int | None = None  # a gateway's OpenAI-compatible front, when it has one
         self.ready = threading.Event()
         self.process = subprocess.Popen(
             [sys.executable, "-m", "epd.cli", *args],
@@ -55,7 +56,7 @@ class ServiceProcess:
         for line in self.process.stdout:
             if line.startswith("EPD_LISTENING "):
                 info = json.loads(line.split(" ", 1)[1])
-                self.port, self.metrics_port = info["port"], info["metrics_port"]
+                self.port, self.metrics_port, self.http_port = info["port"], info["metrics_port"], info.get("http_port")
             elif line.startswith("EPD_READY "):
                 self.ready.set()
 
@@ -156,15 +157,18 @@ def gateway_args(model: str, mode: str, *, encoders=(), prefills=(), decodes=(),
     return [*args, *extra]
 
 
-def start_disaggregated(stack: Stack, model: str, mode: str, *, encoders: int = 1, prefills: int = 1, decodes: int = 1) -> ServiceProcess:
-    """Starts encoders, prefills (E/P/D only), decodes and a gateway; returns the gateway."""
+def start_disaggregated(
+    stack: Stack, model: str, mode: str, *, encoders: int = 1, prefills: int = 1, decodes: int = 1, gateway_extra=()
+) -> ServiceProcess:
+    """Starts encoders, prefills (E/P/D only), decodes and a gateway (with ``gateway_extra``
+    arguments); returns the gateway."""
     model_flag = ["--model", model]
     stage = [stack.start(f"encoder{i}", ["encoder", *model_flag]) for i in range(encoders)]
     pre = [stack.start(f"prefill{i}", ["prefill", *model_flag]) for i in range(prefills if mode == "epd" else 0)]
     dec_mode = "decode" if mode == "epd" else "combined"
     dec = [stack.start(f"decode{i}", ["decode", *model_flag, "--mode", dec_mode]) for i in range(decodes)]
     stack.wait_ready(stage + pre + dec)
-    args = gateway_args(model, mode, encoders=[s.address for s in stage], prefills=[s.address for s in pre], decodes=[s.address for s in dec])
+    args = gateway_args(model, mode, encoders=[s.address for s in stage], prefills=[s.address for s in pre], decodes=[s.address for s in dec], extra=gateway_extra)
     gateway = stack.start(f"gateway-{mode}", args)
     stack.wait_ready([gateway])
     return gateway
@@ -187,13 +191,16 @@ def up_cli(args) -> int:
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the stack as Ctrl-C does
     stack = Stack()
     print(f"[epd up] model={model} mode={args.mode}; logs in {stack.log_dir}", flush=True)
+    http = ["--http-port", str(args.http_port)] if args.http_port >= 0 else []
     try:
         if args.mode == "monolithic":
-            gateway = start_monolithic(stack, model)
+            gateway = start_monolithic(stack, model, extra=http)
         else:
-            gateway = start_disaggregated(stack, model, args.mode, encoders=args.encoders, prefills=args.prefills, decodes=args.decodes)
+            gateway = start_disaggregated(stack, model, args.mode, encoders=args.encoders, prefills=args.prefills, decodes=args.decodes, gateway_extra=http)
         for service in stack.services:
             print(f"[epd up] {service.name:<20} {service.address}", flush=True)
+        if gateway.http_port is not None:
+            print(f"[epd up] OpenAI-compatible API: http://127.0.0.1:{gateway.http_port}/v1 (model {pathlib.Path(model).name})", flush=True)
         if args.demo:
             return asyncio.run(_demo(gateway.address, model))
         print(f"[epd up] ready: epd generate --gateway {gateway.address} --media cat.png 'Describe this'  (Ctrl-C stops)", flush=True)

@@ -101,10 +101,16 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         if handler_call_details.method.startswith(_OPEN_METHOD_PREFIXES):
             return await continuation(handler_call_details)
         presented = [value for key, value in handler_call_details.invocation_metadata or () if key == "authorization"]
-        if len(presented) == 1 and hmac.compare_digest(_as_bytes(presented[0]), self._expected):
+        if len(presented) == 1 and bearer_matches(presented[0], self._expected):
             return await continuation(handler_call_details)
         reason = "missing 'authorization: Bearer <token>' metadata" if not presented else "invalid bearer token"
         return _refusal(await continuation(handler_call_details), reason)
+
+
+def bearer_matches(presented: str | bytes, expected: bytes) -> bool:
+    """Whether an authorization value is ``expected`` (``Bearer <token>``), in a time that does
+    not depend on where a wrong value differs. The gateway's gRPC and HTTP fronts both use it."""
+    return hmac.compare_digest(_as_bytes(presented), expected)
 
 
 def _as_bytes(value: str | bytes) -> bytes:

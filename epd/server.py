@@ -78,6 +78,7 @@ class GrpcHost:
             (full_service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
         )
         self.port = 0
+        self.announce: dict[str, int] = {}  # more ports for the EPD_LISTENING line (the gateway's http_port)
         self._stop = asyncio.Event()
 
     async def start(self) -> None:
@@ -94,7 +95,7 @@ class GrpcHost:
             loop.add_signal_handler(sig, self._stop.set)
         # Launchers (epd up, tests) read this line to learn the ephemeral ports.
         print(
-            "EPD_LISTENING " + json.dumps({"service": self.service_name, "port": self.port, "metrics_port": metrics_port}),
+            "EPD_LISTENING " + json.dumps({"service": self.service_name, "port": self.port, "metrics_port": metrics_port, **self.announce}),
             flush=True,
         )
         transport = ("mTLS" if tls.require_client_cert else "TLS") if tls.serves_tls else "plaintext"

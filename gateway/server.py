@@ -1,4 +1,5 @@
-"""Gateway entry point: config -> pipeline for the chosen mode -> gRPC host -> shutdown."""
+"""Gateway entry point: config -> pipeline for the chosen mode -> gRPC host (and the
+OpenAI-compatible HTTP front on the same loop) -> shutdown."""
 
 from __future__ import annotations
 
@@ -33,6 +34,9 @@ class GatewayConfig:
     auth_token_file: str = ""  # clients must send this file's token; empty: no token required
     max_prompt_bytes: int = 1024 * 1024  # text of one chat, checked before tokenizing
     max_prompt_tokens: int = 0  # the model's context (the CLI passes --max-model-len); 0: unchecked
+    http_port: int = -1  # the OpenAI-compatible HTTP front (gateway/openai_front.py) on --host; -1: off, 0: a free port
+    allowed_media_domains: tuple[str, ...] = ()  # hosts the HTTP front fetches media URLs from; empty: URLs refused
+    media_fetch_timeout_s: float = 10.0  # for all remote media of one request, redirects included
 
 
 def _renderer(config: GatewayConfig) -> PromptRenderer:
@@ -51,7 +55,9 @@ def _disaggregated(config: GatewayConfig, host: GrpcHost, credentials: grpc.Chan
     def pool(stage: str, addresses: tuple[str, ...], pb2, service: str, stub_class) -> StagePool:
         health_service = pb2.DESCRIPTOR.services_by_name[service].full_name
         pools.append(
-            StagePool(stage, list(addresses), stub_class, health_service=health_service, credentials=credentials, on_availability_change=follow_stages)
+            StagePool(
+                stage, list(addresses), stub_class, health_service=health_service, credentials=credentials, on_availability_change=follow_stages
+            )
         )
         pools[-1].watch_health()
         return pools[-1]
@@ -74,11 +80,19 @@ def _disaggregated(config: GatewayConfig, host: GrpcHost, credentials: grpc.Chan
 async def serve(config: GatewayConfig, server: ServerConfig, engine_config: EngineConfig | None = None) -> None:
     """``engine_config`` is used in monolithic mode only."""
     # Read before listening: a missing or empty token file stops the gateway at start.
-    interceptors = [BearerTokenInterceptor(read_token(config.auth_token_file))] if config.auth_token_file else []
+    token = read_token(config.auth_token_file) if config.auth_token_file else None
+    interceptors = [BearerTokenInterceptor(token)] if token is not None else []
     full_name = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
     host = GrpcHost(server, service_name="gateway", full_service_name=full_name, interceptors=interceptors)
     servicer = GatewayServicer(pipeline=None)
     gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, host.server)
+    front = None
+    if config.http_port >= 0:
+        from gateway.openai_front import OpenAIFront  # FastAPI and uvicorn: only when served
+
+        # Bound before the host announces its ports, so EPD_LISTENING carries this one too.
+        front = OpenAIFront(config, server, token, lambda: servicer.pipeline)
+        host.announce["http_port"] = front.start(config.http_port, host.wait_for_termination())
     engine = None
     if config.mode is Mode.MONOLITHIC:
         engine = Engine(dataclasses.replace(engine_config or EngineConfig(config.model), model=config.model, role=EngineRole.MONOLITHIC))
@@ -92,6 +106,8 @@ async def serve(config: GatewayConfig, server: ServerConfig, engine_config: Engi
             servicer.pipeline = MonolithicPipeline(_renderer(config), config.limits, decoder, engine)
 
     async def close_pipeline() -> None:
+        if front is not None:
+            await front.stop()
         if servicer.pipeline is not None:
             await servicer.pipeline.close()
 

@@ -136,7 +136,8 @@ def pytest_collection_modifyitems(items):
 
     def key(item):
         family = _family_of(item)
-        return "family_stack" in getattr(item, "fixturenames", ()), family != DEFAULT_FAMILY, family
+        # fixturenames holds every fixture a test needs, indirect ones too (stacks behind family_stack).
+        return "stacks" in getattr(item, "fixturenames", ()), family != DEFAULT_FAMILY, family
 
     items.sort(key=key)
 
