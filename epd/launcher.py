@@ -126,7 +126,7 @@ class Stack:
         return service
 
     @contextlib.contextmanager
-    def temporary(self, name: str, args: list[str], timeout: float = 120):
+    def temporary(self, name: str, args: list[str], timeout: float = 300):
         """A service that lives for one ``with`` block, ready on entry, gone on exit."""
         service = self.start(name, args)
         try:

@@ -477,7 +477,7 @@ def http_stack(stacks, tmp_path_factory):
     token_file.write_text(TOKEN + "\n")
     extra = ["--http-port", "0", "--auth-token-file", str(token_file), "--metrics-port", "0"]
     args = gateway_args(family.model, "epd-combined", encoders=[family.encoder.address], decodes=[family.combined.address], extra=extra)
-    with family.stack.temporary("gateway-http", args, timeout=300) as gateway:
+    with family.stack.temporary("gateway-http", args) as gateway:
         assert gateway.http_port, "EPD_LISTENING carries the HTTP port"
         yield HttpStack(family.model, family.encoder, family.combined, gateway)
 
