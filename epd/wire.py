@@ -462,8 +462,10 @@ def kv_handoff_from_wire(msg: engine_pb2.KvHandoff) -> KvHandoff:
         violations.append(FieldViolation("kv_handoff.remote_port", "must be a TCP port (1-65535)"))
     if not msg.remote_request_id:
         violations.append(FieldViolation("kv_handoff.remote_request_id", "is required"))
-    if not msg.remote_block_groups or not all(group.block_ids for group in msg.remote_block_groups):
-        violations.append(FieldViolation("kv_handoff.remote_block_groups", "must hold at least one block in every KV-cache group"))
+    if not any(group.block_ids for group in msg.remote_block_groups):
+        # As vLLM's NixlConnector counts it: a handoff with no block at all has no KV to pull
+        # (a group of its own may be empty, say a window that moved past every block).
+        violations.append(FieldViolation("kv_handoff.remote_block_groups", "must hold at least one KV block"))
     if violations:
         raise InvalidArgument("invalid kv_handoff", violations)
     return KvHandoff(
