@@ -17,6 +17,7 @@ becomes INVALID_ARGUMENT.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import enum
 import functools
@@ -108,6 +109,9 @@ _FINISH = {
     "abort": FinishReason.ABORT,
     "repetition": FinishReason.STOP,
 }
+# When an idle KV consumer steps again after a release (see Engine.release_kv): a handshake
+# with a new prefill takes milliseconds to a few hundred on a loaded host.
+_RELEASE_NUDGES_S = (0.2, 0.5, 1.0, 2.0)
 _KV_TYPED_KEYS = ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port", "remote_request_id", "remote_num_tokens", "tp_size")
 # Per-request flags that the decode side sets itself; they never travel.
 _KV_ROLE_FLAGS = ("do_remote_prefill", "do_remote_decode")
@@ -121,6 +125,7 @@ class Engine:
         self.engine_id = f"{config.role.value}-{uuid.uuid4().hex[:12]}"
         self._llm = None
         self._metadata_fields: dict[Modality, frozenset[str]] = {}  # per modality the model takes
+        self._background: set[asyncio.Task] = set()
 
     def start(self) -> None:
         """Loads the model (seconds to minutes). Call before serving."""
@@ -293,6 +298,29 @@ class Engine:
         finally:
             if not finished:
                 await self._llm.abort(request_id)
+
+    async def release_kv(self, request_id: str, handoff: KvHandoff) -> None:
+        """Has the prefill engine free a handoff's KV blocks without reading them (KV consumers).
+
+        vLLM's own path for a request its serving layer rejects: a request that is aborted
+        before it is scheduled makes the NixlConnector notify the prefill, which frees the blocks
+        as if they had been read.
+        """
+        await self._llm.notify_kv_transfer_request_rejected(f"{request_id}-release-{uuid.uuid4().hex[:8]}", kv_params_for_decode(handoff))
+        # A decode that has not talked to this prefill yet first handshakes with it in the
+        # background, and sends the notification only at its next engine step, which an idle
+        # engine never takes. Requests rejected with no KV params each cost one step and free
+        # nothing, so a few of them, spaced over the handshake's time, make that step happen.
+        task = asyncio.get_running_loop().create_task(self._step_idle_engine(request_id, _RELEASE_NUDGES_S))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _step_idle_engine(self, request_id: str, delays_s: tuple[float, ...]) -> None:
+        for index, delay in enumerate(delays_s):
+            await asyncio.sleep(delay)
+            if self._llm is None:
+                return
+            await self._llm.notify_kv_transfer_request_rejected(f"{request_id}-step-{index}-{uuid.uuid4().hex[:8]}", {})
 
     def _ec_transfer_config(self) -> dict[str, Any]:
         from epd.transport.ec_config import ConnectorConfig

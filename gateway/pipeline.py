@@ -24,7 +24,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator
 
 from epd import telemetry, wire
-from epd.domain import EncodedItem, EngineRequest, FinishReason, GenerateRequest
+from epd.domain import EncodedItem, EngineRequest, FinishReason, GenerateRequest, KvHandoff
 from epd.errors import FieldViolation, InvalidArgument, Unavailable
 from epd.media import MediaLimits, check_modalities, check_sizes_and_types
 from epd.media.decode import MediaDecoder, vllm_input
@@ -176,6 +176,8 @@ class DisaggregatedPipeline:
         self, request: GenerateRequest, prompt_ids: list[int], clock: _Clock, avoid: frozenset[str], deadline: float | None
     ) -> AsyncIterator[Event]:
         leases = Leases()
+        handoff: KvHandoff | None = None
+        decode_answered = False
         completed = False
         try:
             items: list[EncodedItem] = []
@@ -195,6 +197,7 @@ class DisaggregatedPipeline:
                 engine_request = dataclasses.replace(engine_request, kv_handoff=handoff)
             started = time.perf_counter()
             async for event in self.decodes.decode(engine_request, deadline, avoid):
+                decode_answered = True  # its engine has read the KV: vLLM frees it from here on
                 if isinstance(event, Delta):
                     clock.token(len(event.token_ids))
                     yield event
@@ -207,6 +210,10 @@ class DisaggregatedPipeline:
             if not completed:
                 # Leases nobody read must not wait for their TTL; freeing is idempotent.
                 await asyncio.shield(self.encoders.release(leases))
+                if handoff is not None and not decode_answered:
+                    # KV no decode has read (the decode failed or the request ended first) must
+                    # not wait for the prefill's lease either.
+                    await asyncio.shield(self.decodes.release_kv(request.request_id, handoff, avoid))
 
 
 class MonolithicPipeline:

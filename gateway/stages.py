@@ -21,13 +21,14 @@ from opentelemetry.trace import SpanKind
 from epd import telemetry, wire
 from epd.domain import EncodedItem, EngineRequest, FinishReason, KvHandoff, MediaInput, NixlLocation
 from epd.errors import DeadlineExceeded, EpdError, FieldViolation, InvalidArgument, Unavailable, from_rpc_error
-from epd.v1 import encoder_pb2
+from epd.v1 import decode_pb2, encoder_pb2
 from gateway.router import StagePool
 
 logger = logging.getLogger(__name__)
 _tracer = telemetry.tracer(__name__)
 
 _RELEASE_TIMEOUT_S = 5.0
+_RELEASE_ATTEMPTS = 2  # a KV release tries another decode instance once
 
 
 def time_left(deadline: float | None) -> float | None:
@@ -162,6 +163,24 @@ class DecodeClient:
             finally:
                 call.cancel()  # no-op once done
         raise StageFailed("decode", address, f"decode {address} ended its stream without a finish reason")
+
+    async def release_kv(self, request_id: str, handoff: KvHandoff, avoid: frozenset[str] = frozenset()) -> None:
+        """Frees a prefill's KV that no decode will read, through any live decode instance, so it
+        need not wait for the prefill's KV lease. Best effort: the lease still frees it."""
+        message = decode_pb2.ReleaseKvRequest(request_id=request_id, kv_handoff=wire.kv_handoff_to_wire(handoff))
+        tried = set(avoid)
+        for _ in range(_RELEASE_ATTEMPTS):
+            try:
+                address = self.pool.pick(frozenset(tried))
+                await self.pool.stub(address).ReleaseKv(message, timeout=_RELEASE_TIMEOUT_S, metadata=telemetry.trace_metadata())
+                return
+            except EpdError as exc:  # no live decode instance
+                problem = exc.message
+                break
+            except grpc.aio.AioRpcError as exc:
+                problem = f"decode {address}: {exc.code().name} {exc.details()}"
+                tried.add(address)
+        logger.warning("request %s: could not release its prefill KV (the prefill's KV lease frees it): %s", request_id, problem)
 
 
 def _remap_item_fields(error: EpdError, paths: list[str]) -> EpdError:

@@ -69,6 +69,13 @@ class EngineStage:
         async for step in self.engine.generate(f"{request.request_id}-decode", prompt, request.sampling, kv_params=kv_params, ec_params=self._ec_params(request)):
             yield step
 
+    async def release_kv(self, request_id: str, handoff: KvHandoff) -> None:
+        """Frees a prefill's KV for a handoff that no decode will read."""
+        if self.role is not EngineRole.DECODE:
+            raise FailedPrecondition(f"this {self.role.value} service holds no KV channel to a prefill (only decode mode releases KV)")
+        await _check_resolvable(handoff)
+        await self.engine.release_kv(request_id, handoff)
+
     # ---- internals ----------------------------------------------------------------------
 
     def _check_role(self, request: EngineRequest) -> None:

@@ -38,10 +38,19 @@ def violations(error: grpc.aio.AioRpcError) -> list[str]:
 
 
 async def encode_then_prefill(family_stack, parts: list, mutate=None) -> grpc.aio.AioRpcError | None:
+    """:func:`prefill_directly`'s error, or None if the prefill succeeded."""
+    try:
+        await prefill_directly(family_stack, parts, mutate)
+    except grpc.aio.AioRpcError as exc:
+        return exc
+    return None
+
+
+async def prefill_directly(family_stack, parts: list, mutate=None):
     """Encodes a chat's media on the stack's encoder, lets ``mutate`` edit the encoded items
     (protobuf ``EncodedItem`` list), then sends them to prefill directly in the prompt the
-    gateway would render. Returns the prefill's error, or None if it succeeded. Like the
-    gateway, it gives back the leases of a refused request."""
+    gateway would render, and returns its ``PrefillResponse``; no decode ever reads that KV.
+    Like the gateway, it gives back the leases of a refused request (and raises its error)."""
     from epd import wire
     from epd.client import chat_request
     from epd.prompt import PromptRenderer
@@ -60,12 +69,11 @@ async def encode_then_prefill(family_stack, parts: list, mutate=None) -> grpc.ai
             sampling=common_pb2.SamplingParams(max_tokens=4, temperature=0),
         )
         try:
-            await prefill_pb2_grpc.PrefillServiceStub(pre).Prefill(request, timeout=60)
-        except grpc.aio.AioRpcError as exc:
+            return await prefill_pb2_grpc.PrefillServiceStub(pre).Prefill(request, timeout=60)
+        except grpc.aio.AioRpcError:
             leases = [item.embedding.nixl.lease_id for item in items if item.embedding.HasField("nixl")]
             await encoder_pb2_grpc.EncoderServiceStub(enc).ReleaseEmbeddings(encoder_pb2.ReleaseEmbeddingsRequest(lease_ids=leases), timeout=10)
-            return exc
-    return None
+            raise
 
 
 MIN_TOKENS = 16

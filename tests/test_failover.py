@@ -15,17 +15,19 @@ import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from epd.client import chat_request, generate
 from epd.launcher import gateway_args
 from epd.telemetry import scrape
 from epd.testing import synthetic_image_png
-from tests.helpers import encode_then_prefill, gateway_stub, wait_for_metric
+from epd.v1 import decode_pb2, decode_pb2_grpc
+from tests.helpers import encode_then_prefill, gateway_stub, prefill_directly, wait_for_metric
 
 _IMAGES = [synthetic_image_png(96 + 16 * i, 96, seed=500 + i) for i in range(4)]
 _REQUESTS = 24
 _CONCURRENCY = 8
+_KV_LEASE_S = 10  # the prefill's --kv-lease-s default
 
 
 def _request(index: int, max_tokens: int = 8):
@@ -175,3 +177,72 @@ async def test_prefills_never_decoded_free_their_kv_within_the_lease(family_stac
     started = time.monotonic()
     assert await wait_for_metric(port, usage, 0.0, timeout=40) == 0.0  # ...but not for long
     assert time.monotonic() - started < 25
+
+
+async def test_a_released_handoff_frees_the_prefills_kv_at_once(family_stack):
+    """DecodeService.ReleaseKv frees a handoff's KV well before its lease (10 s) would."""
+    port = family_stack.prefill.metrics_port
+    usage = "vllm:kv_cache_usage_perc"
+    assert await wait_for_metric(port, usage, 0.0, timeout=30) == 0.0
+    long_text = " ".join(f"word{i}" for i in range(300))
+    response = await prefill_directly(family_stack, [(synthetic_image_png(128, 128, seed=720), "image/png"), long_text])
+    prefilled = time.monotonic()
+    assert scrape(port)[usage] > 0
+    async with grpc.aio.insecure_channel(family_stack.decode.address) as channel:
+        await decode_pb2_grpc.DecodeServiceStub(channel).ReleaseKv(decode_pb2.ReleaseKvRequest(request_id="released", kv_handoff=response.kv_handoff), timeout=10)
+    assert await wait_for_metric(port, usage, 0.0, timeout=15) == 0.0
+    assert time.monotonic() - prefilled < _KV_LEASE_S / 2
+
+
+class _FailingDecode(decode_pb2_grpc.DecodeServiceServicer):
+    """A decode instance that says it serves, then fails every call as an instance that breaks
+    between the health check and the call does: the gateway's cue to retry elsewhere."""
+
+    calls = 0
+
+    async def Decode(self, request, context):
+        _FailingDecode.calls += 1
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "decode engine failed")
+        yield  # a server-streaming handler
+
+    async def ReleaseKv(self, request, context):
+        await context.abort(grpc.StatusCode.UNAVAILABLE, "decode engine failed")
+
+
+async def test_a_decode_failing_before_its_first_token_frees_the_prefills_kv_at_once(family_stack):
+    """The prefill's KV for a request whose decode failed is released at once, through the
+    other decode instance, not at the end of its lease (with no retry here, so that no later
+    attempt's decode frees it instead); the next request is served exactly."""
+    oracle = await _oracle(family_stack)
+    stack, model = family_stack.stack, family_stack.model
+    failing = grpc.aio.server()
+    decode_pb2_grpc.add_DecodeServiceServicer_to_server(_FailingDecode(), failing)
+    health_servicer = health.aio.HealthServicer()
+    await health_servicer.set("epd.v1.DecodeService", health_pb2.HealthCheckResponse.SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, failing)
+    failing_address = f"127.0.0.1:{failing.add_insecure_port('127.0.0.1:0')}"
+    await failing.start()
+    gateway = None
+    try:
+        # The failing decode is listed first: ties rotate from the first address.
+        decodes = [failing_address, family_stack.decode.address]
+        args = gateway_args(model, "epd", encoders=[family_stack.encoder.address], prefills=[family_stack.prefill.address], decodes=decodes, extra=["--max-attempts", "1"])
+        gateway = stack.start("gateway-decode-release", args)
+        stack.wait_ready([gateway], timeout=120)
+        port = family_stack.prefill.metrics_port
+        usage = "vllm:kv_cache_usage_perc"
+        assert await wait_for_metric(port, usage, 0.0, timeout=30) == 0.0
+        stub = gateway_stub(gateway.address)
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await generate(stub, _request(3), timeout=120)
+        failed_at = time.monotonic()
+        assert failed.value.code() == grpc.StatusCode.UNAVAILABLE and "decode engine failed" in failed.value.details()
+        assert _FailingDecode.calls == 1  # its prefill's KV was orphaned there...
+        assert await wait_for_metric(port, usage, 0.0, timeout=15) == 0.0  # ...and freed
+        assert time.monotonic() - failed_at < _KV_LEASE_S / 2
+        assert (await generate(stub, _request(2), timeout=120)).token_ids == oracle[2]
+    finally:
+        if gateway is not None:
+            gateway.stop()
+            stack.services.remove(gateway)
+        await failing.stop(None)

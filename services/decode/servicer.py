@@ -34,3 +34,11 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
                 response.finish_reason = wire.finish_reason_to_wire(step.finish_reason)
                 response.prompt_token_count = step.prompt_token_count
             yield response
+
+    @rpc_method("decode")
+    async def ReleaseKv(self, request: decode_pb2.ReleaseKvRequest, context) -> decode_pb2.ReleaseKvResponse:
+        """Has the prefill that produced ``request.kv_handoff`` free its KV blocks now."""
+        if self.stage is None:
+            raise Unavailable("decode engine is still loading")
+        await self.stage.release_kv(request.request_id or "unnamed", wire.kv_handoff_from_wire(request.kv_handoff))
+        return decode_pb2.ReleaseKvResponse()
