@@ -7,6 +7,7 @@ escapes a handler is a bug and becomes INTERNAL.
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 
@@ -85,13 +86,26 @@ class ResourceExhausted(EpdError):
         self.retry_after_s = retry_after_s
 
 
+# A Python object's default repr, "<_io.BytesIO object at 0x7f0b189f58f0>": libraries (Pillow
+# among them) put them in exception messages, and the address changes with every call.
+_OBJECT_REPR = re.compile(r"\s*<[\w.]+ object at 0x[0-9a-fA-F]+>")
+
+
+def stable_text(text: str) -> str:
+    """``text`` without object reprs, so a client sees the same words for the same mistake
+    (and can match or cache them) and no process memory addresses leak out."""
+    return _OBJECT_REPR.sub("", text)
+
+
 def to_rpc_status(error: EpdError) -> status_pb2.Status:
-    """Builds the rich status for an error: the code, the message and typed details."""
-    status = status_pb2.Status(code=error.code.value[0], message=error.message)
+    """Builds the rich status for an error: the code, the message and typed details.
+
+    Texts pass :func:`stable_text`, whichever library worded them."""
+    status = status_pb2.Status(code=error.code.value[0], message=stable_text(error.message))
     if isinstance(error, InvalidArgument) and error.violations:
         detail = error_details_pb2.BadRequest(
             field_violations=[
-                error_details_pb2.BadRequest.FieldViolation(field=v.field, description=v.description)
+                error_details_pb2.BadRequest.FieldViolation(field=v.field, description=stable_text(v.description))
                 for v in error.violations
             ]
         )

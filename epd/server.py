@@ -22,8 +22,9 @@ import threading
 from collections.abc import Sequence
 
 import grpc
+from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from epd import telemetry
 from epd.security import TlsConfig, server_credentials
@@ -74,9 +75,7 @@ class GrpcHost:
         self.server = grpc.aio.server(interceptors=list(interceptors), options=GRPC_OPTIONS)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        reflection.enable_server_reflection(
-            (full_service_name, health.SERVICE_NAME, reflection.SERVICE_NAME), self.server
-        )
+        _enable_reflection(self.server, (full_service_name, health.SERVICE_NAME))
         self.port = 0
         self.announce: dict[str, int] = {}  # more ports for the EPD_LISTENING line (the gateway's http_port)
         self._stop = asyncio.Event()
@@ -129,6 +128,54 @@ class GrpcHost:
 
     async def _set_health(self, status, *, liveness: bool = False) -> None:
         await self.health.set("" if liveness else self.full_service_name, status)
+
+
+REFLECTION_V1_SERVICE = "grpc.reflection.v1.ServerReflection"
+_REFLECTION_V1_FILE = "grpc/reflection/v1/reflection.proto"
+
+
+def _enable_reflection(server: grpc.aio.Server, service_names: Sequence[str]) -> None:
+    """Serves server reflection as both ``grpc.reflection.v1`` and ``grpc.reflection.v1alpha``.
+
+    grpcurl, Postman and current grpc libraries ask v1 first; older clients ask only v1alpha.
+    grpcio-reflection (1.85) implements only v1alpha, but v1 is the same protocol promoted:
+    the same messages with the same field numbers under another package. So v1 is served by
+    grpcio-reflection's own servicer (same lookups, same answers), reading v1 bytes as v1alpha
+    messages, and its descriptor is registered so that v1 reflects on itself too.
+    """
+    names = (*service_names, reflection.SERVICE_NAME, REFLECTION_V1_SERVICE)
+    _register_reflection_v1_file()
+    servicer = reflection.aio.ReflectionServicer(names)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    handler = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(REFLECTION_V1_SERVICE, {"ServerReflectionInfo": handler}),))
+
+
+def _register_reflection_v1_file() -> None:
+    """Adds grpc/reflection/v1/reflection.proto to the default pool, derived from v1alpha's."""
+    pool = descriptor_pool.Default()
+    try:
+        pool.FindFileByName(_REFLECTION_V1_FILE)
+        return  # registered already (an earlier server in this process, or a real v1 module)
+    except KeyError:
+        pass
+    proto = descriptor_pb2.FileDescriptorProto()
+    reflection_pb2.DESCRIPTOR.CopyToProto(proto)
+    old, new = f".{proto.package}.", ".grpc.reflection.v1."
+    proto.name, proto.package = _REFLECTION_V1_FILE, "grpc.reflection.v1"
+    proto.ClearField("options")  # v1alpha's java/go package options name v1alpha
+    for message in proto.message_type:
+        for field in message.field:
+            if field.HasField("type_name"):  # only message fields: setting one marks it present
+                field.type_name = field.type_name.replace(old, new, 1)
+    for method in proto.service[0].method:
+        method.input_type = method.input_type.replace(old, new, 1)
+        method.output_type = method.output_type.replace(old, new, 1)
+    pool.AddSerializedFile(proto.SerializeToString())
 
 
 def configure_logging(level: str = "INFO") -> None:

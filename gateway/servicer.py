@@ -36,6 +36,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         Yields:
             Deltas, then exactly one ``finished`` message.
         """
+        received = time.perf_counter()
         if self.pipeline is None:
             raise Unavailable("gateway is still starting")
         # Parsing hashes every media item: megabytes of work that must not stall other streams.
@@ -49,13 +50,16 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         events: asyncio.Queue = asyncio.Queue()
         task = asyncio.create_task(self._pump(self.pipeline.generate(generate, deadline), events))
         self._in_flight[generate.request_id] = task
+        sent = _Sent(received)
         try:
             while (event := await events.get()) is not _DONE:
                 if event is _ABORTED:
-                    yield _event_to_wire(Finished(FinishReason.ABORT, Usage(0, 0, 0), Timings()))
+                    yield _event_to_wire(sent.aborted())
                     break
                 if isinstance(event, BaseException):
                     raise event
+                if isinstance(event, Delta):
+                    sent.delta(event)
                 yield _event_to_wire(event)
         finally:
             del self._in_flight[generate.request_id]
@@ -94,6 +98,30 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             raise NotFound(f"no in-flight request with id {request.request_id!r}")
         task.cancel()
         return gateway_pb2.AbortResponse()
+
+
+class _Sent:
+    """What a stream has sent so far, for the final message of an aborted request.
+
+    Abort cancels the pipeline, which then never yields its own Finished, so the counts the
+    client is owed come from what passed through here: the tokens streamed, the time to the
+    first of them and the time until the abort. The prompt's token counts and the per-stage
+    durations stay 0: the pipeline learns the prompt's length from decode's last message.
+    """
+
+    def __init__(self, received: float) -> None:
+        self.received = received
+        self.tokens = 0
+        self.first_token_s = 0.0
+
+    def delta(self, delta: Delta) -> None:
+        if not self.tokens:
+            self.first_token_s = time.perf_counter() - self.received
+        self.tokens += len(delta.token_ids)
+
+    def aborted(self) -> Finished:
+        timings = Timings(time_to_first_token=self.first_token_s, total=time.perf_counter() - self.received)
+        return Finished(FinishReason.ABORT, Usage(prompt_tokens=0, completion_tokens=self.tokens, multimodal_tokens=0), timings)
 
 
 def _duration(seconds: float) -> duration_pb2.Duration:

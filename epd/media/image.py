@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 from typing import TYPE_CHECKING
 
+from epd.errors import stable_text
 from epd.media import MediaError
 
 if TYPE_CHECKING:
@@ -25,8 +26,12 @@ def decode_image(data: bytes, *, max_pixels: int, field: str = "image.data") -> 
         if image.width * image.height > max_pixels:
             raise MediaError(field, f"is {image.width}x{image.height} pixels, over the limit of {max_pixels}")
         image.load()
-    except (UnidentifiedImageError, OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
+    except UnidentifiedImageError as exc:
+        # Pillow's own words name the BytesIO it was given ("cannot identify image file
+        # <_io.BytesIO object at 0x...>"): a new text on every call, and nothing for a human.
+        raise MediaError(field, "is not a decodable image (no image format recognized in its bytes)") from exc
+    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
         if isinstance(exc, MediaError):
             raise
-        raise MediaError(field, f"is not a decodable image ({exc})") from exc
+        raise MediaError(field, f"is not a decodable image ({stable_text(str(exc))})") from exc
     return image.convert("RGB")
