@@ -8,6 +8,10 @@ PY=.venv/bin/python
 echo "[test] buf lint + buf format (protos/)"
 .venv/bin/buf lint protos
 .venv/bin/buf format -d --exit-code protos
+echo "[test] buf breaking against the recorded baseline (protos/README.md)"
+.venv/bin/buf breaking protos --against protos/baseline/epd-v1.binpb
+echo "[test] client SDKs: generate, then compile and type-check each (Python, TypeScript, Go)"
+./scripts/gen_sdks.sh --check
 echo "[test] ruff"
 .venv/bin/ruff check .
 echo "[test] pytest"
