@@ -240,6 +240,9 @@ async def test_a_decode_failing_before_its_first_token_frees_the_prefills_kv_at_
         assert _FailingDecode.calls == 1  # its prefill's KV was orphaned there...
         assert await wait_for_metric(port, usage, 0.0, timeout=15) == 0.0  # ...and freed
         assert time.monotonic() - failed_at < _KV_LEASE_S / 2
+        # Once the broken instance says so, the next request goes to the other and is exact.
+        await health_servicer.set("epd.v1.DecodeService", health_pb2.HealthCheckResponse.NOT_SERVING)
+        await asyncio.sleep(0.5)  # the gateway's health watch hears of it
         assert (await generate(stub, _request(2), timeout=120)).token_ids == oracle[2]
     finally:
         if gateway is not None:
