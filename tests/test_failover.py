@@ -185,7 +185,7 @@ async def test_a_released_handoff_frees_the_prefills_kv_at_once(family_stack):
     usage = "vllm:kv_cache_usage_perc"
     assert await wait_for_metric(port, usage, 0.0, timeout=30) == 0.0
     long_text = " ".join(f"word{i}" for i in range(300))
-    response = await prefill_directly(family_stack, [(synthetic_image_png(128, 128, seed=720), "image/png"), long_text])
+    _, response = await prefill_directly(family_stack, [(synthetic_image_png(128, 128, seed=720), "image/png"), long_text])
     prefilled = time.monotonic()
     assert scrape(port)[usage] > 0
     async with grpc.aio.insecure_channel(family_stack.decode.address) as channel:
