@@ -69,7 +69,10 @@ class EngineStage:
         prompt = await self._prompt(request)
         kv_params = None
         if request.kv_handoff is not None:
-            self._used_handoffs.use(request.kv_handoff)
+            if not self._used_handoffs.first_use(request.kv_handoff):
+                raise FailedPrecondition(
+                    f"kv_handoff for prefill request {request.kv_handoff.remote_request_id!r} was already decoded or released here: a handoff is good for one decode"
+                )
             kv_params = kv_params_for_decode(request.kv_handoff)
         async for step in self.engine.generate(f"{request.request_id}-decode", prompt, request.sampling, kv_params=kv_params, ec_params=self._ec_params(request)):
             yield step
@@ -79,7 +82,7 @@ class EngineStage:
         if self.role is not EngineRole.DECODE:
             raise FailedPrecondition(f"this {self.role.value} service holds no KV channel to a prefill (only decode mode releases KV)")
         await _check_resolvable(handoff)
-        if self._used_handoffs.use(handoff, refuse_used=False):
+        if self._used_handoffs.first_use(handoff):  # else decoded or released already
             await self.engine.release_kv(request_id, handoff)
 
     # ---- internals ----------------------------------------------------------------------
@@ -165,14 +168,10 @@ class UsedHandoffs:
         self._capacity = capacity
         self._seen: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
 
-    def use(self, handoff: KvHandoff, *, refuse_used: bool = True) -> bool:
-        """Records a use; False if it had been used before (or FailedPrecondition, by default)."""
+    def first_use(self, handoff: KvHandoff) -> bool:
+        """Records a use of ``handoff``; False if it had been used before."""
         key = (handoff.remote_engine_id, handoff.remote_request_id)
         if key in self._seen:
-            if refuse_used:
-                raise FailedPrecondition(
-                    f"kv_handoff for prefill request {handoff.remote_request_id!r} was already decoded or released here: a handoff is good for one decode"
-                )
             return False
         self._seen[key] = None
         if len(self._seen) > self._capacity:
