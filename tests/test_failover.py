@@ -86,7 +86,7 @@ async def test_killing_an_encoder_and_a_prefill_under_load_fails_no_request(fami
             result = await generate(stub, _request(index), timeout=120)
             done += 1
             if done in kills:
-                kills.pop(done).process.kill()
+                kills.pop(done).kill()
             return result.token_ids
 
         semaphore = asyncio.Semaphore(_CONCURRENCY)
@@ -146,7 +146,7 @@ async def test_a_decode_killed_mid_stream_ends_its_stream_and_later_requests_are
         stream = stub.Generate(_request(2, max_tokens=200), timeout=120)
         first = await stream.read()
         assert first.HasField("delta") and first.delta.token_ids
-        doomed.process.kill()
+        doomed.kill()
         killed = time.monotonic()
         with pytest.raises(grpc.aio.AioRpcError) as ended:
             while (response := await stream.read()) is not grpc.aio.EOF:
