@@ -90,7 +90,7 @@ async def _scenario(stack: Stack, services: dict[str, ServiceProcess], stage: st
     load = asyncio.create_task(closed_loop(stub, requests, CONCURRENCY, log, until=stop.is_set))
     await asyncio.sleep(load_s)
     killed_at = time.perf_counter()
-    victim.process.kill()
+    victim.kill()
     eject_s = await _wait_gauge(gateway, stage, victim.address, 0.0, 30)
     victim.process.wait(30)
     stack.services.remove(victim)

@@ -77,6 +77,13 @@ class ServiceProcess:
         if self.process.poll() is None:
             self.process.terminate()
 
+    def kill(self) -> None:
+        """SIGKILLs the whole instance, the service and its engine processes, as a host or
+        container failure would (the fault tests' kill). SIGKILL of the service alone would leave
+        its engine process running, orphaned, still holding CPU and memory."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+
     def stop(self, timeout: float = 20) -> None:
         """Drains the service (SIGTERM), then kills what is left of its process group: the
         service if it did not exit in ``timeout`` s, and any engine process it left behind."""

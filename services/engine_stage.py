@@ -17,6 +17,7 @@ the encoder.
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import time
 from collections import defaultdict
@@ -44,6 +45,7 @@ class EngineStage:
         self.role = engine.config.role
         self.allow_inline = allow_inline
         self._decoder = None  # built on the first forwarded media only
+        self._used_handoffs = UsedHandoffs()
 
     async def prefill(self, request: EngineRequest) -> PrefillResult:
         """Prefills and leaves the KV for a decode engine."""
@@ -65,7 +67,13 @@ class EngineStage:
         if request.kv_handoff is not None:
             await _check_resolvable(request.kv_handoff)
         prompt = await self._prompt(request)
-        kv_params = kv_params_for_decode(request.kv_handoff) if request.kv_handoff is not None else None
+        kv_params = None
+        if request.kv_handoff is not None:
+            if not self._used_handoffs.first_use(request.kv_handoff):
+                raise FailedPrecondition(
+                    f"kv_handoff for prefill request {request.kv_handoff.remote_request_id!r} was already decoded or released here: a handoff is good for one decode"
+                )
+            kv_params = kv_params_for_decode(request.kv_handoff)
         async for step in self.engine.generate(f"{request.request_id}-decode", prompt, request.sampling, kv_params=kv_params, ec_params=self._ec_params(request)):
             yield step
 
@@ -74,7 +82,8 @@ class EngineStage:
         if self.role is not EngineRole.DECODE:
             raise FailedPrecondition(f"this {self.role.value} service holds no KV channel to a prefill (only decode mode releases KV)")
         await _check_resolvable(handoff)
-        await self.engine.release_kv(request_id, handoff)
+        if self._used_handoffs.first_use(handoff):  # else decoded or released already
+            await self.engine.release_kv(request_id, handoff)
 
     # ---- internals ----------------------------------------------------------------------
 
@@ -141,6 +150,33 @@ class EngineStage:
         media = [item.forwarded_media for _, item in items]
         values = await asyncio.to_thread(self._decoder.decode_all, media, [f"items[{i}].forwarded_media" for i, _ in items])
         return {index: vllm_input(m.modality, value) for (index, _), m, value in zip(items, media, values, strict=True)}
+
+
+class UsedHandoffs:
+    """The KV handoffs this decode instance has decoded or released: each is good for one use.
+
+    Once a decode has read a prefill's blocks, or they were released, the prefill frees them and
+    may reuse them for another request; a replayed handoff would then read that request's KV.
+    vLLM's prefill cannot tell (its KV agent serves any peer that has its metadata), so the
+    decode refuses it here. A prefill names each engine request uniquely, so a retried request
+    gets a new handoff. Bounded: the oldest are forgotten first, long after their blocks turned
+    over, and a replay through another decode instance is not seen here (the gateway is the only
+    caller meant to reach decode; mTLS keeps others out).
+    """
+
+    def __init__(self, capacity: int = 65536):
+        self._capacity = capacity
+        self._seen: collections.OrderedDict[tuple[str, str], None] = collections.OrderedDict()
+
+    def first_use(self, handoff: KvHandoff) -> bool:
+        """Records a use of ``handoff``; False if it had been used before."""
+        key = (handoff.remote_engine_id, handoff.remote_request_id)
+        if key in self._seen:
+            return False
+        self._seen[key] = None
+        if len(self._seen) > self._capacity:
+            self._seen.popitem(last=False)
+        return True
 
 
 async def _check_resolvable(handoff: KvHandoff, timeout_s: float = 5.0) -> None:

@@ -49,8 +49,9 @@ async def encode_then_prefill(family_stack, parts: list, mutate=None) -> grpc.ai
 async def prefill_directly(family_stack, parts: list, mutate=None):
     """Encodes a chat's media on the stack's encoder, lets ``mutate`` edit the encoded items
     (protobuf ``EncodedItem`` list), then sends them to prefill directly in the prompt the
-    gateway would render, and returns its ``PrefillResponse``; no decode ever reads that KV.
-    Like the gateway, it gives back the leases of a refused request (and raises its error)."""
+    gateway would render, and returns that ``PrefillRequest`` and its ``PrefillResponse``; no
+    decode reads the KV unless the caller has one do so. Like the gateway, it gives back the
+    leases of a refused request (and raises its error)."""
     from epd import wire
     from epd.client import chat_request
     from epd.prompt import PromptRenderer
@@ -69,7 +70,7 @@ async def prefill_directly(family_stack, parts: list, mutate=None):
             sampling=common_pb2.SamplingParams(max_tokens=4, temperature=0),
         )
         try:
-            return await prefill_pb2_grpc.PrefillServiceStub(pre).Prefill(request, timeout=60)
+            return request, await prefill_pb2_grpc.PrefillServiceStub(pre).Prefill(request, timeout=60)
         except grpc.aio.AioRpcError:
             leases = [item.embedding.nixl.lease_id for item in items if item.embedding.HasField("nixl")]
             await encoder_pb2_grpc.EncoderServiceStub(enc).ReleaseEmbeddings(encoder_pb2.ReleaseEmbeddingsRequest(lease_ids=leases), timeout=10)

@@ -10,7 +10,7 @@ import pytest
 from epd.client import chat_request, generate
 from epd.testing import synthetic_image_png, synthetic_video
 from epd.v1 import common_pb2, decode_pb2, decode_pb2_grpc, engine_pb2, gateway_pb2, multimodal_pb2
-from tests.helpers import encode_then_prefill, violations, wait_for_metric
+from tests.helpers import encode_then_prefill, prefill_directly, violations, wait_for_metric
 
 PNG = synthetic_image_png(120, 90, seed=5)
 
@@ -132,6 +132,33 @@ async def test_a_forged_kv_handoff_sent_straight_to_decode_is_invalid_argument(f
                 pass
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
     assert violations(info.value) == [field]
+
+
+async def test_a_kv_handoff_is_good_for_one_decode(family_stack):
+    """Once decoded (the prefill then frees its blocks, which may come to hold another
+    request's KV) or released, a handoff sent again is refused before the engine reads it."""
+    parts = [(PNG, "image/png"), "Describe it."]
+    oracle = await generate(family_stack.gateway_stub("monolithic"), chat_request(parts, max_tokens=4), timeout=120)
+
+    def decode_request(prefill, response) -> decode_pb2.DecodeRequest:
+        items = list(prefill.items)
+        for item in items:
+            item.ClearField("embedding")  # decode mode: metadata only
+        return decode_pb2.DecodeRequest(request_id=prefill.request_id, prompt=prefill.prompt, items=items, sampling=prefill.sampling, kv_handoff=response.kv_handoff)
+
+    async with grpc.aio.insecure_channel(family_stack.decode.address) as channel:
+        stub = decode_pb2_grpc.DecodeServiceStub(channel)
+        decoded = decode_request(*await prefill_directly(family_stack, parts))
+        assert [t async for r in stub.Decode(decoded, timeout=60) for t in r.token_ids] == oracle.token_ids
+        prefill, response = await prefill_directly(family_stack, parts)
+        await stub.ReleaseKv(decode_pb2.ReleaseKvRequest(request_id="released", kv_handoff=response.kv_handoff), timeout=10)
+        for replay in (decoded, decode_request(prefill, response)):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                async for _ in stub.Decode(replay, timeout=30):
+                    pass
+            assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            assert "already decoded or released" in refused.value.details()
+    assert (await generate(family_stack.gateway_stub("epd"), chat_request(parts, max_tokens=4), timeout=120)).token_ids == oracle.token_ids
 
 
 async def test_metadata_that_the_model_lays_out_differently_fails_only_that_request(family_stack):
