@@ -78,6 +78,10 @@ def _start(stack: Stack, model: str) -> dict[str, ServiceProcess]:
     return services
 
 
+def _first_difference(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
 def _restart_args(victim: ServiceProcess, stage: str, model: str) -> list[str]:
     args = {"encoder": ["encoder"], "prefill": ["prefill"], "decode": ["decode", "--mode", "decode"]}[stage]
     return [*args, "--model", model, "--port", str(victim.port), "--metrics-port", "0"]
@@ -118,6 +122,12 @@ async def _scenario(stack: Stack, services: dict[str, ServiceProcess], stage: st
         first_success_after_kill_s=None if first_success is None else first_success - killed_at,
         e2el_ms=summarize([s.record.e2el_s * 1e3 for s in log if s.record.ok]),
         wrong_tokens=len(wrong),
+        # Where they differ (to tell a fault's effect from batch-dependent rounding): the
+        # request, when it started relative to the kill, and the first differing position.
+        wrong_examples=[
+            {"request": s.index, "started_after_kill_s": round(s.started - killed_at, 3), "first_difference": _first_difference(expected[s.index], list(s.record.token_ids))}
+            for s in wrong[:8]
+        ],
     )
     progress(f"{NAME}: {stage}: {result['failed']} of {result['requests']} failed, eject {eject_s}, rejoin {result.get('rejoin_s')}")
     return result

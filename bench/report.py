@@ -254,7 +254,11 @@ def _faults(doc: dict) -> list[str]:
             f"| {_fmt(r['e2el_ms']['median'], 0)} / {_fmt(r['e2el_ms']['p99'], 0)} |"
         )
     errors = "; ".join(f"{r['stage']}: {', '.join(r['errors'])}" for r in doc["results"] if r["errors"])
-    goals = "Goals: 0 failed for encoder and prefill; for decode, only streams in flight on it end (after their first token, so not retried) and 0 failures for requests started after the kill."
+    goals = (
+        "Goals: 0 failed for encoder and prefill; for decode, only streams in flight on it end (after their first token, so not retried) and 0 failures for requests started after the kill; "
+        "0 tokens differing (successful requests whose greedy tokens differ from the same request's answer on the idle deployment before the load; "
+        "`wrong_examples` in the result file says when each started and where it first differs)."
+    )
     return [*lines, "", goals + (f" Errors seen: {errors}." if errors else ""), ""]
 
 
@@ -345,6 +349,14 @@ SECTIONS = {  # in bench.common.EXPERIMENTS order
 }
 
 
+def _shown(path: pathlib.Path) -> str:
+    """A results folder as the report names it: relative to the repository when inside it."""
+    try:
+        return str(path.resolve().relative_to(REPO))
+    except ValueError:
+        return str(path)
+
+
 def write_report(results_dir: pathlib.Path = RESULTS_DIR, out: pathlib.Path = REPO / "BENCHMARKS.md") -> pathlib.Path:
     lines = [
         "# Benchmarks",
@@ -364,6 +376,6 @@ def write_report(results_dir: pathlib.Path = RESULTS_DIR, out: pathlib.Path = RE
         elif (stale := _load_any(results_dir, name)) is not None:
             lines += [f"## {name}", "", f"Stale: `{name}.json` has schema v{stale.get('schema_version')}, not v{SCHEMA_VERSION}; rerun `python -m bench --only {name}`.", ""]
         else:
-            lines += [f"## {name}", "", f"Not run: no `{name}.json` in {results_dir}; run `python -m bench --only {name}`.", ""]
+            lines += [f"## {name}", "", f"Not run: no `{name}.json` in {_shown(results_dir)}; run `python -m bench --only {name}`.", ""]
     out.write_text("\n".join(lines))
     return out
