@@ -30,7 +30,7 @@ from epd.media import MediaLimits, check_modalities, check_sizes_and_types
 from epd.media.decode import MediaDecoder, vllm_input
 from epd.prompt import PromptRenderer
 from gateway.router import RetryPolicy
-from gateway.stages import DecodeClient, Delta, EncoderClient, Leases, PrefillClient, StageFailed, time_left
+from gateway.stages import DecodeClient, DecodeEnd, EncoderClient, Leases, PrefillClient, StageFailed, time_left
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +60,14 @@ class Timings:
 
 
 @dataclasses.dataclass(frozen=True)
+class Delta:
+    """Tokens generated since the last event, and their text."""
+
+    token_ids: list[int]
+    text: str
+
+
+@dataclasses.dataclass(frozen=True)
 class Finished:
     reason: FinishReason
     usage: Usage
@@ -69,17 +77,25 @@ class Finished:
 Event = Delta | Finished
 
 
-class _Clock:
-    """Request-relative times, plus TTFT/ITL/TPOT/E2EL metrics as tokens stream out."""
+class RequestClock:
+    """One request's progress: its times and token counts so far, plus TTFT/ITL/TPOT/E2EL
+    metrics as tokens stream out. The servicer creates it and reads it when Abort cancels the
+    pipeline, so an aborted stream still reports what was done."""
 
     def __init__(self) -> None:
         self.start = time.perf_counter()
         self.timings = Timings()
         self._last_token: float | None = None
+        self._decode_started: float | None = None
         self.tokens = 0
+        self.prompt_tokens = 0  # the expanded prompt, once the engine that decodes has it
+        self.multimodal_tokens = 0
 
     def since_start(self) -> float:
         return time.perf_counter() - self.start
+
+    def decoding(self) -> None:
+        self._decode_started = time.perf_counter()
 
     def token(self, count: int) -> None:
         now = time.perf_counter()
@@ -91,8 +107,19 @@ class _Clock:
         self._last_token = now
         self.tokens += count
 
+    def usage(self) -> Usage:
+        return Usage(self.prompt_tokens, self.tokens, self.multimodal_tokens)
+
+    def snapshot(self) -> Timings:
+        """The timings so far (a decode still running counts until now)."""
+        now = time.perf_counter()
+        timings = dataclasses.replace(self.timings, total=now - self.start)
+        if self._decode_started is not None and not timings.decode:
+            timings.decode = now - self._decode_started
+        return timings
+
     def finish(self) -> Timings:
-        self.timings.total = time.perf_counter() - self.start
+        self.timings = self.snapshot()
         telemetry.E2EL_SECONDS.observe(self.timings.total)
         if self.tokens > 1:
             telemetry.TPOT_SECONDS.observe((self.timings.total - self.timings.time_to_first_token) / (self.tokens - 1))
@@ -143,11 +170,11 @@ class DisaggregatedPipeline:
             if client is not None:
                 await client.pool.close()
 
-    async def generate(self, request: GenerateRequest, deadline: float | None) -> AsyncIterator[Event]:
+    async def generate(self, request: GenerateRequest, deadline: float | None, clock: RequestClock | None = None) -> AsyncIterator[Event]:
         """Runs the request, retrying it from the encoder on other instances when a stage
         fails before the first token (see :class:`RetryPolicy`); after the first token a
         failure ends the stream, saying how many tokens were sent."""
-        clock = _Clock()
+        clock = clock or RequestClock()
         check_media(request, self.limits)
         # Rendering a long prompt takes a while: never on the event loop other streams share.
         prompt_ids = await asyncio.to_thread(self.renderer.render, request.messages)
@@ -173,7 +200,7 @@ class DisaggregatedPipeline:
                 await asyncio.sleep(delay)
 
     async def _attempt(
-        self, request: GenerateRequest, prompt_ids: list[int], clock: _Clock, avoid: frozenset[str], deadline: float | None
+        self, request: GenerateRequest, prompt_ids: list[int], clock: RequestClock, avoid: frozenset[str], deadline: float | None
     ) -> AsyncIterator[Event]:
         leases = Leases()
         handoff: KvHandoff | None = None
@@ -185,6 +212,7 @@ class DisaggregatedPipeline:
                 started = time.perf_counter()
                 items = await self.encoders.encode(request.request_id, request.media, wire.media_paths(request), leases, deadline, avoid)
                 clock.timings.encode = time.perf_counter() - started
+                clock.multimodal_tokens = sum(item.metadata.placeholder_length for item in items)
             if self.forward_media or any(item.metadata.layout_needs_media for item in items):
                 # vLLM 0.32 cannot mix metadata-only and raw items in one prompt (its processor
                 # then misses the metadata-only ones), so one item that needs its media sends all.
@@ -195,16 +223,15 @@ class DisaggregatedPipeline:
                 handoff = await self.prefills.prefill(engine_request, deadline, avoid)
                 clock.timings.prefill = time.perf_counter() - started
                 engine_request = dataclasses.replace(engine_request, kv_handoff=handoff)
-            started = time.perf_counter()
+            clock.decoding()
             async for event in self.decodes.decode(engine_request, deadline, avoid):
                 decode_answered = True  # its engine has read the KV: vLLM frees it from here on
-                if isinstance(event, Delta):
-                    clock.token(len(event.token_ids))
-                    yield event
+                clock.prompt_tokens = event.prompt_token_count
+                if isinstance(event, DecodeEnd):
+                    yield Finished(event.reason, clock.usage(), clock.finish())
                     continue
-                clock.timings.decode = time.perf_counter() - started
-                multimodal = sum(item.metadata.placeholder_length for item in items)
-                yield Finished(event.reason, Usage(event.prompt_token_count, clock.tokens, multimodal), clock.finish())
+                clock.token(len(event.token_ids))
+                yield Delta(event.token_ids, event.text)
             completed = True
         finally:
             if not completed:
@@ -229,8 +256,8 @@ class MonolithicPipeline:
     async def close(self) -> None:
         pass  # the service lifecycle stops the engine
 
-    async def generate(self, request: GenerateRequest, deadline: float | None) -> AsyncIterator[Event]:
-        clock = _Clock()
+    async def generate(self, request: GenerateRequest, deadline: float | None, clock: RequestClock | None = None) -> AsyncIterator[Event]:
+        clock = clock or RequestClock()
         check_media(request, self.limits)
         prompt: dict = {"prompt_token_ids": await asyncio.to_thread(self.renderer.render, request.messages)}
         media = request.media
@@ -244,12 +271,12 @@ class MonolithicPipeline:
                 uuids[item.modality.value].append(item.content_hash)
             prompt.update(multi_modal_data=dict(data), multi_modal_uuids=dict(uuids))
         rendered = await self.engine.render(prompt, "messages")
-        multimodal = sum(length for _, length, _ in rendered.placeholders)
+        clock.multimodal_tokens = sum(length for _, length, _ in rendered.placeholders)
+        clock.decoding()  # one engine does it all: its time is the decode's
         async for step in self.engine.generate(request.request_id, rendered, request.sampling):
+            clock.prompt_tokens = step.prompt_token_count
             if step.token_ids:
                 clock.token(len(step.token_ids))
                 yield Delta(step.token_ids, step.text)
             if step.finish_reason is not None:
-                timings = clock.finish()
-                timings.decode = timings.total
-                yield Finished(step.finish_reason, Usage(step.prompt_token_count, clock.tokens, multimodal), timings)
+                yield Finished(step.finish_reason, clock.usage(), clock.finish())

@@ -13,7 +13,7 @@ from epd.domain import FinishReason
 from epd.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
 from epd.rpc import rpc_method
 from epd.v1 import gateway_pb2, gateway_pb2_grpc
-from gateway.pipeline import Delta, Finished, Timings, Usage
+from gateway.pipeline import Delta, Finished, RequestClock
 
 _DONE = object()
 _ABORTED = object()
@@ -36,7 +36,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         Yields:
             Deltas, then exactly one ``finished`` message.
         """
-        received = time.perf_counter()
         if self.pipeline is None:
             raise Unavailable("gateway is still starting")
         # Parsing hashes every media item: megabytes of work that must not stall other streams.
@@ -48,18 +47,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         # The pipeline runs in its own task so that Abort can cancel it while this stream still
         # sends a final ABORT message; a dropped client cancels it through the finally below.
         events: asyncio.Queue = asyncio.Queue()
-        task = asyncio.create_task(self._pump(self.pipeline.generate(generate, deadline), events))
+        # The pipeline keeps the request's counts and times in the clock, so an aborted stream
+        # still reports them.
+        clock = RequestClock()
+        task = asyncio.create_task(self._pump(self.pipeline.generate(generate, deadline, clock), events))
         self._in_flight[generate.request_id] = task
-        sent = _Sent(received)
         try:
             while (event := await events.get()) is not _DONE:
                 if event is _ABORTED:
-                    yield _event_to_wire(sent.aborted())
+                    yield _event_to_wire(Finished(FinishReason.ABORT, clock.usage(), clock.snapshot()))
                     break
                 if isinstance(event, BaseException):
                     raise event
-                if isinstance(event, Delta):
-                    sent.delta(event)
                 yield _event_to_wire(event)
         finally:
             del self._in_flight[generate.request_id]
@@ -98,30 +97,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             raise NotFound(f"no in-flight request with id {request.request_id!r}")
         task.cancel()
         return gateway_pb2.AbortResponse()
-
-
-class _Sent:
-    """What a stream has sent so far, for the final message of an aborted request.
-
-    Abort cancels the pipeline, which then never yields its own Finished, so the counts the
-    client is owed come from what passed through here: the tokens streamed, the time to the
-    first of them and the time until the abort. The prompt's token counts and the per-stage
-    durations stay 0: the pipeline learns the prompt's length from decode's last message.
-    """
-
-    def __init__(self, received: float) -> None:
-        self.received = received
-        self.tokens = 0
-        self.first_token_s = 0.0
-
-    def delta(self, delta: Delta) -> None:
-        if not self.tokens:
-            self.first_token_s = time.perf_counter() - self.received
-        self.tokens += len(delta.token_ids)
-
-    def aborted(self) -> Finished:
-        timings = Timings(time_to_first_token=self.first_token_s, total=time.perf_counter() - self.received)
-        return Finished(FinishReason.ABORT, Usage(prompt_tokens=0, completion_tokens=self.tokens, multimodal_tokens=0), timings)
 
 
 def _duration(seconds: float) -> duration_pb2.Duration:

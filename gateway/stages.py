@@ -128,11 +128,12 @@ class PrefillClient:
 
 
 @dataclasses.dataclass(frozen=True)
-class Delta:
-    """Tokens generated since the last event, and their text."""
+class DecodeStep:
+    """One message of the decode stage: new tokens, and the expanded prompt's length."""
 
     token_ids: list[int]
     text: str
+    prompt_token_count: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,7 +146,7 @@ class DecodeClient:
     def __init__(self, pool: StagePool):
         self.pool = pool
 
-    async def decode(self, request: EngineRequest, deadline: float | None, avoid: frozenset[str] = frozenset()) -> AsyncIterator[Delta | DecodeEnd]:
+    async def decode(self, request: EngineRequest, deadline: float | None, avoid: frozenset[str] = frozenset()) -> AsyncIterator[DecodeStep | DecodeEnd]:
         """Streams the decode stage's tokens, then one :class:`DecodeEnd`; leaving early
         cancels the call, which aborts the engine request."""
         address = self.pool.pick(avoid)
@@ -154,7 +155,7 @@ class DecodeClient:
             try:
                 async for response in call:
                     if response.token_ids:
-                        yield Delta(list(response.token_ids), response.text)
+                        yield DecodeStep(list(response.token_ids), response.text, response.prompt_token_count)
                     if response.finish_reason:
                         yield DecodeEnd(wire.finish_reason_from_wire(response.finish_reason), response.prompt_token_count)
                         return

@@ -17,7 +17,7 @@ import pytest
 from google.protobuf import descriptor_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
-from epd.client import chat_request
+from epd.client import chat_request, generate
 from epd.errors import InvalidArgument, stable_text, to_rpc_status
 from epd.media import MediaError
 from epd.media.image import decode_image
@@ -144,7 +144,9 @@ def test_statuses_carry_no_object_reprs():
 
 async def test_an_aborted_stream_reports_what_it_streamed(family_stack):
     stub = family_stack.gateway_stub("epd")
-    request = chat_request([(synthetic_image_png(96, 96, seed=45), "image/png"), "Go on."], max_tokens=2000, min_tokens=2000, request_id="abort-usage")
+    parts = [(synthetic_image_png(96, 96, seed=45), "image/png"), "Go on."]
+    whole = (await generate(stub, chat_request(parts, max_tokens=2), timeout=120)).finished.usage
+    request = chat_request(parts, max_tokens=2000, min_tokens=2000, request_id="abort-usage")
     streamed, events = 0, []
     async for response in stub.Generate(request, timeout=120):
         events.append(response)
@@ -155,6 +157,11 @@ async def test_an_aborted_stream_reports_what_it_streamed(family_stack):
     assert finished.finish_reason == common_pb2.FINISH_REASON_ABORT
     assert 4 <= streamed < 2000
     assert finished.usage.completion_tokens == streamed
+    # The prompt's counts are those of the same chat run to its end.
+    assert whole.prompt_tokens > whole.multimodal_tokens > 0
+    assert (finished.usage.prompt_tokens, finished.usage.multimodal_tokens) == (whole.prompt_tokens, whole.multimodal_tokens)
     ttft, total = finished.timings.time_to_first_token.ToNanoseconds(), finished.timings.total.ToNanoseconds()
     assert 0 < ttft < total
+    stages = [getattr(finished.timings, stage).ToNanoseconds() for stage in ("encode", "prefill", "decode")]
+    assert all(0 < t < total for t in stages), stages
     assert await wait_for_metric(family_stack.decode.metrics_port, "epd_requests_in_flight", 0.0) == 0.0

@@ -29,10 +29,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         if self.stage is None:
             raise Unavailable("decode engine is still loading")
         async for step in self.stage.decode(wire.decode_request_from_wire(request)):
-            response = decode_pb2.DecodeResponse(token_ids=step.token_ids, text=step.text)
+            response = decode_pb2.DecodeResponse(token_ids=step.token_ids, text=step.text, prompt_token_count=step.prompt_token_count)
             if step.finish_reason is not None:
                 response.finish_reason = wire.finish_reason_to_wire(step.finish_reason)
-                response.prompt_token_count = step.prompt_token_count
             yield response
 
     @rpc_method("decode")
