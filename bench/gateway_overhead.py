@@ -99,8 +99,13 @@ class _Decode:
                 token_ids=[100 + index],
                 text="x",
                 finish_reason=common_pb2.FINISH_REASON_LENGTH if last else common_pb2.FINISH_REASON_UNSPECIFIED,
-                prompt_token_count=len(request.prompt.token_ids) if last else 0,
+                prompt_token_count=len(request.prompt.token_ids),
             )
+
+    async def ReleaseKv(self, request, context):
+        from epd.v1 import decode_pb2
+
+        return decode_pb2.ReleaseKvResponse()
 
 
 async def _serve_stand_ins() -> tuple[grpc.aio.Server, dict[str, str]]:
