@@ -86,7 +86,10 @@ async def test_killing_an_encoder_and_a_prefill_under_load_fails_no_request(fami
             result = await generate(stub, _request(index), timeout=120)
             done += 1
             if done in kills:
-                kills.pop(done).kill()
+                # The service process only, as in the landed form of this test; killing the whole
+                # instance (ServiceProcess.kill) once gave tokens that differ from monolithic here
+                # (issue 9 note; bench/faults.py kills whole instances and counts them).
+                kills.pop(done).process.kill()
             return result.token_ids
 
         semaphore = asyncio.Semaphore(_CONCURRENCY)
