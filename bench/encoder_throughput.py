@@ -191,7 +191,8 @@ def measure_vllm_service(model_dir: pathlib.Path, images: Sequence[bytes], repea
     stack = Stack()
     progress(f"{NAME}: starting the encoder service (log in {stack.log_dir})")
     try:
-        encoder = stack.start("encoder", ["encoder", "--model", str(model_dir), "--metrics-port", "0"])
+        # The encoder-output cache off: every timed pass re-sends the same images, and the tower is what is measured.
+        encoder = stack.start("encoder", ["encoder", "--model", str(model_dir), "--metrics-port", "0", "--encoder-cache-bytes", "0"])
         stack.wait_ready([encoder], timeout=600)
         return measure_encoder(encoder.address, encoder.metrics_port, images, repeats)
     finally:

@@ -72,7 +72,7 @@ from bench.common import RESULTS_DIR, command_line, plot_lines, progress, summar
 from epd.domain import NixlLocation
 from epd.server import CLIENT_OPTIONS, GRPC_OPTIONS, MAX_MESSAGE_BYTES
 from epd.transport._agent import NixlAgent
-from epd.transport.arena import EmbeddingArena, SharedCounters, generation_of
+from epd.transport.arena import EmbeddingArena, SharedCounters
 from epd.transport.base import Read
 from epd.transport.ec_config import ConnectorConfig
 from epd.transport.ec_consumer import PAGE_BYTES, ConsumerScheduler
@@ -196,7 +196,7 @@ class _Producer:
             tensor[start : start + nbytes].copy_(base)
             tensor[start : start + _STAMP_BYTES].copy_(stamp_bytes(stamp))
             SlotHeader(SlotStatus.READY, _DTYPE, lease.generation, rows, width).pack_into(tensor, lease.offset)
-            location = self.publisher.location(lease, self.arena.start_expiry(lease.lease_id))
+            location = self.publisher.location(lease, self.arena.publish(lease.lease_id))
             locations.append(dataclasses.replace(location, encoder_address=self.encoder_address))
         return locations
 
@@ -469,7 +469,7 @@ class _Consumers:
         views = []
         for location, offset in zip(locations, offsets, strict=True):
             header = SlotHeader.unpack_from(self.reader_buffer, offset)
-            if (header.status, header.generation, header.rows, header.width, header.dtype) != (SlotStatus.READY, generation_of(location.lease_id), rows, width, _DTYPE):
+            if (header.status, header.generation, header.rows, header.width, header.dtype) != (SlotStatus.READY, location.slot_generation, rows, width, _DTYPE):
                 raise HandoffMismatchError(f"nixl_reader: the slot of lease {location.lease_id} holds {header}")
             views.append(_rows_view(self.reader_buffer, offset + HEADER_BYTES, rows, width))
         return _elapsed_us(started), views

@@ -24,11 +24,11 @@ DEFAULT_FAMILY = "qwen2_5_vl"
 # Field groups per service. Flags are --field-name.
 _ENGINE_FIELDS = ("dtype", "max_model_len", "max_num_seqs", "kv_cache_gib", "max_images_per_prompt", "max_videos_per_prompt", "max_audios_per_prompt", "caches", "seed")
 _KV_FIELDS = ("nixl_side_channel_port", "kv_lease_s")
-_ARENA_FIELDS = ("embedding_transport", "embedding_buffer_bytes", "arena_slot_bytes", "lease_ttl_s")
+_ARENA_FIELDS = ("embedding_transport", "embedding_buffer_bytes", "arena_slot_bytes", "lease_ttl_s", "encoder_cache_bytes")
 _RECEIVE_FIELDS = ("embedding_buffer_bytes", "embedding_read_timeout_s")
 _SERVER_FIELDS = {"port": "port", "metrics_port": "metrics_port", "otlp_endpoint": "otlp_endpoint", "grace_s": "drain_grace_s"}
 _HELP = {
-    "caches": "vLLM's prefix and multimodal processor caches (--no-caches for benchmarks)",
+    "caches": "vLLM's prefix and multimodal processor caches, and the encoder-output cache (--no-caches for benchmarks)",
     "kv_cache_gib": "CPU only: KV cache size",
     "nixl_side_channel_port": "vLLM NixlConnector side channel; 0 picks one",
     "kv_lease_s": "prefill: seconds computed KV waits for a decode to pull it before vLLM frees it (queued decodes extend it)",
@@ -36,6 +36,7 @@ _HELP = {
     "embedding_buffer_bytes": "shared buffer of the EC connector: the encoder's arena, a consumer's receive buffer",
     "arena_slot_bytes": "the arena's allocation unit",
     "lease_ttl_s": "how long a published embedding waits for its consumer",
+    "encoder_cache_bytes": "arena bytes that published embeddings keep for reuse by later requests for the same item (LRU; 0: off)",
     "embedding_read_timeout_s": "limit on one encoder's NIXL metadata fetch or READ",
     "queue_timeout_s": "how long an Encode may wait for arena space or the engine before RESOURCE_EXHAUSTED",
     "max_prompt_bytes": "refuse chats with more text than this, before tokenizing (0: no limit)",

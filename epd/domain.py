@@ -168,6 +168,7 @@ class NixlLocation:
     descriptors: bytes  # the item's memory, in epd.transport.nixl's versioned format
     nbytes: int  # the slot header plus the rows
     lease_id: str  # 128 random bits in hex; the consumer's READ notification carries it back
+    slot_generation: int  # what the region's header must read after the READ (one fill of it)
     expires_at_unix_ms: int  # after this the producer may reuse the memory
     tag: bytes  # HMAC of the fields above but encoder_address (epd.transport.nixl.location_tag)
 

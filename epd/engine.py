@@ -64,7 +64,7 @@ class EngineConfig:
     max_images_per_prompt: int = 8
     max_videos_per_prompt: int = 2  # vLLM profiles memory for the most items of the largest size
     max_audios_per_prompt: int = 4
-    caches: bool = True  # vLLM's prefix cache and multimodal processor cache (off: benchmarks)
+    caches: bool = True  # vLLM's prefix and multimodal processor caches, EPD's encoder-output cache (off: benchmarks)
     seed: int = 0
     # KV handoff (vLLM NixlConnector): prefill and decode.
     nixl_side_channel_host: str = "127.0.0.1"
@@ -77,6 +77,7 @@ class EngineConfig:
     embedding_buffer_bytes: int = 64 * 1024 * 1024  # encoder arena / consumer receive buffer
     arena_slot_bytes: int = 64 * 1024
     lease_ttl_s: float = 60.0
+    encoder_cache_bytes: int = 32 * 1024 * 1024  # encoder: arena bytes published outputs keep for reuse
     # The service's own TLS files: the consumer fetches encoders' NIXL metadata over gRPC with them.
     tls: TlsConfig = TlsConfig()
     nixl_listen_host: str = "127.0.0.1"  # the host whose network device the encoder's NIXL agent (UCX) listens on
@@ -332,6 +333,7 @@ class Engine:
             buffer_bytes=config.embedding_buffer_bytes,
             slot_bytes=config.arena_slot_bytes,
             lease_ttl_s=config.lease_ttl_s,
+            cache_bytes=config.encoder_cache_bytes if config.caches else 0,
             listen_host=config.nixl_listen_host,
             read_timeout_s=config.embedding_read_timeout_s,
             tls_ca_file=config.tls.tls_ca,

@@ -280,7 +280,10 @@ def _bind_engine_gauges(engine) -> None:
         "items": telemetry.RECEIVE_ITEMS,
         "free_pages": telemetry.RECEIVE_FREE_PAGES,
         "failed_loads": telemetry.EMBEDDING_LOAD_FAILURES,
+        "cache_bytes": telemetry.ENCODER_CACHE_BYTES,
     }
+    if "cache_hits" in counters:
+        telemetry.EncoderCacheCollector.register(counters)
     for name, read in counters.items():
         modality, _, kind = name.partition("_")
         if name in bindings:

@@ -18,9 +18,11 @@ TPOT, ITL, E2EL.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from opentelemetry import propagate, trace
-from prometheus_client import Counter, Gauge, Histogram
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily
 
 logger = logging.getLogger(__name__)
 
@@ -48,7 +50,33 @@ ENCODER_BATCH_ITEMS = Gauge("epd_encoder_batch_items", "Items those steps encode
 RECEIVE_ITEMS = Gauge("epd_receive_buffer_items", "Encoder outputs held in this engine's receive buffer")
 RECEIVE_FREE_PAGES = Gauge("epd_receive_buffer_free_pages", "Free pages of this engine's embedding receive buffer")
 EMBEDDING_LOAD_FAILURES = Gauge("epd_embedding_load_failures", "Embedding loads that failed since the engine started")
+ENCODER_CACHE_BYTES = Gauge("epd_encoder_cache_bytes", "Arena bytes held by published encoder outputs kept for reuse, leased or not")
 EMBEDDING_BYTES_LOADED = Gauge("epd_embedding_bytes_loaded", "Embedding bytes loaded into this engine since it started, by transport", ["transport"])
+
+
+_ENCODER_CACHE_COUNTERS = {
+    "cache_hits": "Items whose encoder output the arena already held (published, or being written): the tower did not run for them",
+    "cache_misses": "Items that needed a new arena fill (and a tower run)",
+    "cache_evictions": "Cached encoder outputs dropped for room or over --encoder-cache-bytes",
+}
+
+
+class EncoderCacheCollector:
+    """``epd_encoder_cache_{hits,misses,evictions}_total``, read at scrape time from the arena's
+    shared counters (the engine process counts them; a Counter cannot be set from outside)."""
+
+    def __init__(self, read: dict[str, Callable[[], int]]) -> None:
+        self._read = read
+
+    def collect(self):
+        for name, documentation in _ENCODER_CACHE_COUNTERS.items():
+            family = CounterMetricFamily(f"epd_encoder_{name}", documentation)
+            family.add_metric([], self._read[name]())
+            yield family
+
+    @classmethod
+    def register(cls, read: dict[str, Callable[[], int]]) -> None:
+        REGISTRY.register(cls(read))
 
 
 def configure_tracing(service_name: str, otlp_endpoint: str | None) -> None:

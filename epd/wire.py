@@ -379,6 +379,7 @@ def _handle_to_wire(location: EmbeddingLocation) -> multimodal_pb2.EmbeddingHand
             descriptors=location.descriptors,
             nbytes=location.nbytes,
             lease_id=location.lease_id,
+            slot_generation=location.slot_generation,
             expires_at=expires,
             location_tag=location.tag,
         )
@@ -399,6 +400,7 @@ def embedding_location_from_wire(msg: multimodal_pb2.EmbeddingHandle, field: str
             descriptors=n.descriptors,
             nbytes=n.nbytes,
             lease_id=n.lease_id,
+            slot_generation=n.slot_generation,
             expires_at_unix_ms=n.expires_at.ToMilliseconds(),
             tag=n.location_tag,
         )

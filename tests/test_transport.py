@@ -26,7 +26,7 @@ from epd import wire
 from epd.domain import InlineEmbedding, NixlLocation
 from epd.errors import InvalidArgument
 from epd.ports import free_port
-from epd.transport.arena import EmbeddingArena, SharedCounters, generation_of
+from epd.transport.arena import EmbeddingArena, SharedCounters
 from epd.transport.ec_config import ConnectorConfig
 from epd.transport.ec_consumer import ConsumerScheduler
 from epd.transport.ec_params import ExpectedItem, expected_to_params
@@ -126,7 +126,7 @@ def test_one_batched_read_brings_exact_rows_and_headers_and_ends_the_leases(prod
     assert _drain(reader, 3) == {0: None, 1: None, 2: None}
     for (seed, rows, width, dtype), location, offset in zip(shapes, locations, offsets, strict=True):
         header = SlotHeader.unpack_from(receive_buffer.tensor, offset)
-        assert (header.status, header.generation, header.rows, header.width, header.dtype) == (SlotStatus.READY, generation_of(location.lease_id), rows, width, dtype)
+        assert (header.status, header.generation, header.rows, header.width, header.dtype) == (SlotStatus.READY, location.slot_generation, rows, width, dtype)
         assert torch.equal(_rows_at(receive_buffer, offset, rows, width, dtype), make_rows(seed, rows, width, dtype))
     # The READ's notification carried all three lease ids back.
     assert producer("reap_until_idle") == 0
@@ -141,7 +141,7 @@ def test_a_reused_slot_reads_back_another_generation(producer, reader, receive_b
     reader.submit([Read("stale", stale, SharedCounters.BYTES)])
     assert _drain(reader, 1) == {"stale": None}
     header = SlotHeader.unpack_from(receive_buffer.tensor, SharedCounters.BYTES)
-    assert header.generation == generation_of(fresh.lease_id) != generation_of(stale.lease_id)
+    assert header.generation == fresh.slot_generation != stale.slot_generation
     releaser.release([fresh.lease_id])
     assert producer("reap_until_idle") == 0
 
@@ -151,7 +151,8 @@ def test_expiring_lease_is_refused_without_a_read(producer, reader, releaser):
     # Re-tagged, as only the producer could: the expiry check itself is what is under test.
     key = producer("credentials").location_key
     expires = int(time.time() * 1000)
-    expired = dataclasses.replace(location, expires_at_unix_ms=expires, tag=location_tag(key, location.agent_name, location.lease_id, location.descriptors, location.nbytes, expires))
+    expired = dataclasses.replace(location, expires_at_unix_ms=expires)
+    expired = dataclasses.replace(expired, tag=location_tag(key, expired))
     reader.submit([Read("old", expired, SharedCounters.BYTES)])
     (error,) = _drain(reader, 1).values()
     assert "expire" in error
@@ -518,9 +519,76 @@ def test_runs_are_contiguous_and_never_fitting_is_an_error(small_arena):
 def test_pinned_leases_never_expire_published_ones_do(small_arena):
     pinned = small_arena.reserve(10)
     published = small_arena.reserve(10)
-    expires_at = small_arena.start_expiry(published.lease_id)
+    expires_at = small_arena.publish(published.lease_id)
     assert expires_at > time.time()
     time.sleep(0.3)
     assert small_arena.expire() == 1
     assert small_arena.leased_count == 1 and small_arena.release(pinned.lease_id)
     assert small_arena.counters.get("leases") == 0
+
+
+# --- The encoder-output cache (the arena's published fills, kept under their content hash) ---
+
+
+@pytest.fixture
+def caching_arena() -> EmbeddingArena:
+    return EmbeddingArena(torch.zeros(SharedCounters.BYTES + 4 * 1024, dtype=torch.uint8), slot_bytes=1024, lease_ttl_s=60, cache_bytes=4 * 1024)
+
+
+def _published(arena: EmbeddingArena, key: str, nbytes: int = 1000):
+    lease = arena.reserve(nbytes, key)
+    arena.publish(lease.lease_id)
+    return lease
+
+
+def test_a_published_fill_outlives_its_lease_and_is_shared_by_its_key(caching_arena):
+    first = _published(caching_arena, "a")
+    assert caching_arena.release(first.lease_id) and caching_arena.leased_count == 0
+    assert caching_arena.is_published("a") and caching_arena.counters.get("cache_bytes") == 1024
+    again = caching_arena.share("a")
+    assert (again.offset, again.nbytes, again.generation) == (first.offset, first.nbytes, first.generation)
+    assert again.lease_id != first.lease_id and caching_arena.share("b") is None
+    # A fill still being written is shared too (a concurrent miss waits for one result), but
+    # only a published one counts as present (vLLM may skip the tower only for that).
+    pending = caching_arena.reserve(1000, "b")
+    assert caching_arena.share("b").offset == pending.offset and not caching_arena.is_published("b")
+
+
+def test_room_is_made_by_evicting_the_least_recently_used_unleased_fill(caching_arena):
+    for key in "abc":
+        caching_arena.release(_published(caching_arena, key).lease_id)
+    caching_arena.release(caching_arena.share("a").lease_id)  # "a" is now the most recently used
+    held = caching_arena.reserve(1000, "d")
+    assert held is not None and caching_arena.counters.get("cache_evictions") == 0  # a free slot was left
+    assert caching_arena.reserve(1000, "e") is not None  # evicts "b", the oldest use
+    assert [caching_arena.is_published(k) for k in "abc"] == [True, False, True]
+    assert caching_arena.counters.get("cache_evictions") == 1
+    pinned = caching_arena.share("a")
+    assert caching_arena.reserve(2048) is None  # "c" alone leaves no run of two slots
+    assert caching_arena.counters.get("cache_evictions") == 2 and caching_arena.is_published("a")
+    caching_arena.release(pinned.lease_id)
+
+
+def test_the_cache_keeps_at_most_its_bytes_and_off_frees_at_once():
+    def arena(cache_bytes: int) -> EmbeddingArena:
+        return EmbeddingArena(torch.zeros(SharedCounters.BYTES + 4 * 1024, dtype=torch.uint8), slot_bytes=1024, lease_ttl_s=60, cache_bytes=cache_bytes)
+
+    bounded = arena(1024)
+    for key in "ab":
+        bounded.release(_published(bounded, key).lease_id)
+    assert (bounded.is_published("a"), bounded.is_published("b")) == (False, True)
+    assert bounded.counters.get("cache_bytes") == 1024 and bounded.counters.get("free_slots") == 3
+    off = arena(0)
+    off.release(_published(off, "a").lease_id)
+    assert off.share("a") is None and off.counters.get("free_slots") == 4 and off.counters.get("cache_bytes") == 0
+
+
+def test_a_fill_that_was_not_written_is_never_shared_again(caching_arena):
+    pending = caching_arena.reserve(1000, "a")
+    sharer = caching_arena.share("a")
+    caching_arena.discard(pending.lease_id)
+    assert caching_arena.share("a") is None
+    caching_arena.discard(sharer.lease_id)
+    assert caching_arena.counters.get("free_slots") == 4 and caching_arena.counters.get("cache_bytes") == 0
+    fresh = caching_arena.reserve(1000, "a")
+    assert fresh.generation != pending.generation

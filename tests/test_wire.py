@@ -102,7 +102,7 @@ def test_items_are_batched_per_field_as_vllm_takes_them():
 
 
 def test_ec_params_round_trip_and_reject_foreign_entries():
-    location = NixlLocation("agent", "127.0.0.1:5", b"\x01" + b"\x00" * 20, 120, "ab" * 16, 1_000, b"\x07" * 32)
+    location = NixlLocation("agent", "127.0.0.1:5", b"\x01" + b"\x00" * 20, 120, "ab" * 16, 2**64 - 1, 1_000, b"\x07" * 32)
     fields = {"image_grid_thw": EngineField("int64", (3,), (1, 2, 2))}
     published = {"h": PublishedItem("image", 1, 16, "bfloat16", 1, 9, fields, False, location)}
     assert published_from_params(published_to_params(published)) == published

@@ -59,7 +59,7 @@ class _Producer:
         self.buffer.tensor[lease.offset + HEADER_BYTES : lease.offset + HEADER_BYTES + data.numel()].copy_(data)
         SlotHeader(SlotStatus.READY, dtype, lease.generation, rows, width).pack_into(self.buffer.tensor, lease.offset)
         # What the encoder service does to every location before handing it out.
-        return dataclasses.replace(self.publisher.location(lease, self.arena.start_expiry(lease.lease_id)), encoder_address=self.address)
+        return dataclasses.replace(self.publisher.location(lease, self.arena.publish(lease.lease_id)), encoder_address=self.address)
 
     def reap_until_idle(self, timeout_s: float = 5.0) -> int:
         deadline = time.monotonic() + timeout_s

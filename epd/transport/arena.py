@@ -1,12 +1,23 @@
-"""Leased slots over one buffer: where a producer keeps published encoder outputs.
+"""Leased slots over one buffer: where a producer keeps published encoder outputs, and its
+encoder-output cache.
 
-The buffer is cut into fixed-size slots; an item takes a contiguous run of them, so every
-published item is one contiguous range (one NIXL descriptor). A lease ties the run to one
+The buffer is cut into fixed-size slots; an item takes a contiguous run of them (a *fill*), so
+every published item is one contiguous range (one NIXL descriptor). A lease ties a fill to one
 consumer: it is *pinned* while the producer is still writing it and starts its time-to-live once
 published; it ends when the consumer's READ notification arrives, when the owner releases it,
 or when the TTL passes. Lease ids are 128 random bits, so a peer cannot guess another request's
-lease (ending a lease needs its id). The slot header's generation is a one-way digest of the id
-(:func:`generation_of`), so reading a header never reveals a lease id.
+lease (ending a lease needs its id).
+
+A published fill whose leases have all ended stays in the arena as a cache entry under its key
+(the item's content hash), least recently used first out: a later request for the same item
+gets a new lease on the same fill (:meth:`EmbeddingArena.share`) and the tower does not run
+again. Entries are evicted when a reservation needs their room or when the cache holds more than
+``cache_bytes``; a fill any lease holds is never evicted. A request that arrives while the item
+is still being written shares that fill too, so concurrent misses wait for one result.
+
+Each fill gets a random 64-bit generation, written into its slot header and carried (under the
+location's tag) in every location of the fill: a reader that finds another generation after its
+READ knows the slots were refilled. It reveals no lease id.
 
 Thread-safe: the engine's scheduler reserves and publishes while a reaper thread ends leases.
 """
@@ -15,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import secrets
 import threading
 import time
@@ -27,26 +37,24 @@ from epd.transport._slots import SlotAllocator
 from epd.transport.location import LEASE_ID_BYTES
 
 
-def generation_of(lease_id: str) -> int:
-    """The slot-header generation of a lease: 64 bits of a digest of its id."""
-    return int.from_bytes(hashlib.blake2b(lease_id.encode(), digest_size=8, person=b"epd-slot-gen").digest(), "little")
-
-
 @dataclasses.dataclass(frozen=True)
 class Lease:
     lease_id: str  # 32 hex digits
     offset: int  # of the first byte, in the arena buffer
-    nbytes: int  # reserved bytes (the item's header and rows)
-
-    @property
-    def generation(self) -> int:
-        return generation_of(self.lease_id)
+    nbytes: int  # the item's header and rows
+    generation: int  # the fill's stamp, in its slot header while the slots hold it
 
 
-@dataclasses.dataclass(slots=True)
-class _Held:
+@dataclasses.dataclass(slots=True, eq=False)
+class _Fill:
+    key: str | None  # the cache key; None: not kept once its leases end
     first_slot: int
     num_slots: int
+    nbytes: int
+    generation: int
+    leases: set[str]
+    published: bool = False
+    cached_bytes: int = 0  # what it counts against the cache: its slots, once published under a key
 
 
 class SharedCounters:
@@ -70,7 +78,9 @@ class SharedCounters:
 # them (0 / 0 when it could not be observed). <modality>_width: the encoder's output width per
 # row, as vLLM measured it, and element_bytes: its dtype's size (together they size an item).
 # <modality>_batches / _batch_items: engine steps that encoded items of the modality, and the
-# items they encoded (cumulative).
+# items they encoded (cumulative). cache_hits / cache_misses: items served from a fill already
+# there (or being written) / that needed a new one; cache_evictions: cached fills dropped;
+# cache_bytes: the arena bytes that published fills kept for reuse hold, leased or not.
 MODALITIES = ("image", "video", "audio")
 ARENA_COUNTERS = (
     "leases",
@@ -80,28 +90,38 @@ ARENA_COUNTERS = (
     "shards_read",
     "shards_total",
     "element_bytes",
+    "cache_hits",
+    "cache_misses",
+    "cache_evictions",
+    "cache_bytes",
     *(f"{m}_width" for m in MODALITIES),
     *(f"{m}_{kind}" for m in MODALITIES for kind in ("batches", "batch_items")),
 )
 
 
 class EmbeddingArena:
-    def __init__(self, buffer: torch.Tensor, *, slot_bytes: int, lease_ttl_s: float) -> None:
+    def __init__(self, buffer: torch.Tensor, *, slot_bytes: int, lease_ttl_s: float, cache_bytes: int = 0) -> None:
         """Args:
         buffer: the whole shared buffer; its first :attr:`SharedCounters.BYTES` hold the
             counters, the rest is cut into slots.
         slot_bytes: slot size.
-        lease_ttl_s: how long a published item stays readable if nobody reads it.
+        lease_ttl_s: how long a published item stays leased if nobody reads it.
+        cache_bytes: the most arena bytes published fills may keep (0: no cache; each fill's
+            slots are freed as its last lease ends).
         """
         data_bytes = buffer.numel() - SharedCounters.BYTES
-        if slot_bytes <= 0 or data_bytes < slot_bytes or lease_ttl_s <= 0:
-            raise ValueError(f"an arena of {data_bytes} bytes cannot hold {slot_bytes}-byte slots with a TTL of {lease_ttl_s} s")
+        if slot_bytes <= 0 or data_bytes < slot_bytes or lease_ttl_s <= 0 or cache_bytes < 0:
+            raise ValueError(f"an arena of {data_bytes} bytes cannot hold {slot_bytes}-byte slots with a TTL of {lease_ttl_s} s and a {cache_bytes}-byte cache")
         self.buffer = buffer
         self.slot_bytes = slot_bytes
         self._ttl_s = lease_ttl_s
+        self._cache_bytes = cache_bytes
         self._slots = SlotAllocator(data_bytes // slot_bytes)
-        self._held: dict[str, _Held] = {}
+        self._leases: dict[str, _Fill] = {}
         self._deadlines: collections.OrderedDict[str, float] = collections.OrderedDict()  # one TTL: FIFO is expiry order
+        self._by_key: dict[str, _Fill] = {}  # fills a new request may share: being written, or published
+        self._idle: collections.OrderedDict[str, _Fill] = collections.OrderedDict()  # published, unleased: LRU first
+        self._cached_bytes = 0
         self._lock = threading.Lock()
         self.counters = SharedCounters(buffer, ARENA_COUNTERS)
         self.counters.set("num_slots", self._slots.num_slots)
@@ -115,10 +135,12 @@ class EmbeddingArena:
     @property
     def leased_count(self) -> int:
         with self._lock:
-            return len(self._held)
+            return len(self._leases)
 
-    def reserve(self, nbytes: int) -> Lease | None:
-        """A pinned lease on a run of slots holding ``nbytes``, or None while none is free.
+    def reserve(self, nbytes: int, key: str | None = None) -> Lease | None:
+        """A pinned lease on a new fill of ``nbytes``, or None while no room can be made (cache
+        entries are evicted for it, least recently used first). With ``key``, later requests
+        for it share this fill (:meth:`share`) until it fails or is evicted.
 
         Raises:
             ValueError: ``nbytes`` can never fit.
@@ -128,24 +150,63 @@ class EmbeddingArena:
             raise ValueError(f"{nbytes} bytes can never fit an arena of {self._slots.num_slots} x {self.slot_bytes}-byte slots")
         with self._lock:
             first = self._slots.alloc(num_slots)
+            while first is None and self._idle:
+                self._evict_oldest()
+                first = self._slots.alloc(num_slots)
             if first is None:
                 return None
-            lease_id = secrets.token_hex(LEASE_ID_BYTES)
-            self._held[lease_id] = _Held(first, num_slots)
-            self._publish_counts()
-        return Lease(lease_id, SharedCounters.BYTES + first * self.slot_bytes, nbytes)
+            # A key already held keeps its fill (the caller chose not to share it).
+            cacheable = self._cache_bytes > 0 and key is not None and key not in self._by_key
+            fill = _Fill(key if cacheable else None, first, num_slots, nbytes, secrets.randbits(64) or 1, set())
+            if fill.key is not None:
+                self._by_key[fill.key] = fill
+            return self._lease(fill)
 
-    def start_expiry(self, lease_id: str) -> float:
-        """Starts a pinned lease's TTL; returns its wall-clock expiry (Unix seconds).
+    def share(self, key: str) -> Lease | None:
+        """A pinned lease on the fill held under ``key`` (published, or still being written),
+        or None when there is none."""
+        with self._lock:
+            fill = self._by_key.get(key)
+            if fill is None:
+                return None
+            self._idle.pop(key, None)
+            return self._lease(fill)
+
+    def is_published(self, key: str) -> bool:
+        """Whether a published fill is held under ``key`` (its rows are there to copy)."""
+        with self._lock:
+            fill = self._by_key.get(key)
+            return fill is not None and fill.published
+
+    def publish(self, lease_id: str) -> float:
+        """Marks a lease's fill written and starts the lease's TTL; returns its wall-clock expiry
+        (Unix seconds).
 
         The wall clock is read first, so the advertised expiry never falls after the moment
-        the arena may reuse the slots.
+        the arena may end the lease.
         """
         expires_at = time.time() + self._ttl_s
         with self._lock:
-            if lease_id in self._held:
+            fill = self._leases.get(lease_id)
+            if fill is not None:
                 self._deadlines[lease_id] = time.monotonic() + self._ttl_s
+                if not fill.published:
+                    fill.published = True
+                    if fill.key is not None:
+                        fill.cached_bytes = fill.num_slots * self.slot_bytes
+                        self._cached_bytes += fill.cached_bytes
+                        self._trim()
+                    self._publish_counts()
         return expires_at
+
+    def discard(self, lease_id: str) -> None:
+        """Ends a lease whose fill was not written: nobody shares or keeps that fill."""
+        with self._lock:
+            fill = self._leases.get(lease_id)
+            if fill is not None and fill.key is not None and self._by_key.get(fill.key) is fill:
+                del self._by_key[fill.key]
+                fill.key = None
+            self._end(lease_id)
 
     def release(self, lease_id: str) -> bool:
         """Ends a lease now; False if it had already ended (or never existed)."""
@@ -164,15 +225,44 @@ class EmbeddingArena:
                 ended += self._end(lease_id)
         return ended
 
+    def _lease(self, fill: _Fill) -> Lease:
+        lease_id = secrets.token_hex(LEASE_ID_BYTES)
+        fill.leases.add(lease_id)
+        self._leases[lease_id] = fill
+        self._publish_counts()
+        return Lease(lease_id, SharedCounters.BYTES + fill.first_slot * self.slot_bytes, fill.nbytes, fill.generation)
+
     def _end(self, lease_id: str) -> bool:
-        held = self._held.pop(lease_id, None)
+        fill = self._leases.pop(lease_id, None)
         self._deadlines.pop(lease_id, None)
-        if held is None:
+        if fill is None:
             return False
-        self._slots.free(held.first_slot, held.num_slots)
+        fill.leases.discard(lease_id)
+        if not fill.leases:
+            if fill.cached_bytes:
+                self._idle[fill.key] = fill
+                self._trim()
+            else:
+                self._free(fill)
         self._publish_counts()
         return True
 
+    def _trim(self) -> None:
+        while self._cached_bytes > self._cache_bytes and self._idle:
+            self._evict_oldest()
+
+    def _evict_oldest(self) -> None:
+        _, fill = self._idle.popitem(last=False)
+        self._free(fill)
+        self.counters.set("cache_evictions", self.counters.get("cache_evictions") + 1)
+
+    def _free(self, fill: _Fill) -> None:
+        if fill.key is not None and self._by_key.get(fill.key) is fill:
+            del self._by_key[fill.key]
+        self._cached_bytes -= fill.cached_bytes
+        self._slots.free(fill.first_slot, fill.num_slots)
+
     def _publish_counts(self) -> None:
-        self.counters.set("leases", len(self._held))
+        self.counters.set("leases", len(self._leases))
         self.counters.set("free_slots", self._slots.free_slots)
+        self.counters.set("cache_bytes", self._cached_bytes)

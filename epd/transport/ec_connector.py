@@ -24,7 +24,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECCo
 from epd.compat.vllm_metadata import install as _install_vllm_metadata_fixes
 from epd.transport.ec_config import ConnectorConfig
 from epd.transport.ec_consumer import ConsumerScheduler, Install
-from epd.transport.ec_producer import ProducerScheduler, Save
+from epd.transport.ec_producer import ProducerScheduler, Restore, Save
 from epd.transport.shared_buffer import SharedBuffer
 from epd.transport.slot_header import DTYPES, HEADER_BYTES, SlotHeader, SlotStatus
 
@@ -58,9 +58,11 @@ class _ShardSkipRecorder(logging.Handler):
 
 @dataclasses.dataclass
 class EpdConnectorMetadata(ECConnectorMetadata):
-    """Scheduler -> worker, per step: slots to fill (producer), views to install (consumer)."""
+    """Scheduler -> worker, per step: slots to fill and cached outputs to restore (producer),
+    views to install (consumer)."""
 
     saves: list[Save] = dataclasses.field(default_factory=list)
+    restores: list[Restore] = dataclasses.field(default_factory=list)
     installs: list[Install] = dataclasses.field(default_factory=list)
 
 
@@ -93,15 +95,14 @@ class EpdECConnector(ECConnectorBase):
         return self._consumer.ensure_cache_available(request)
 
     def has_cache_item(self, identifier: str) -> bool:
-        return self._consumer is not None and self._consumer.has_cache_item(identifier)
+        return (self._producer or self._consumer).has_cache_item(identifier)
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
-        if self._consumer is not None:
-            self._consumer.update_state_after_alloc(request, index)
+        (self._producer or self._consumer).update_state_after_alloc(request, index)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ECConnectorMetadata:
         if self._producer is not None:
-            return EpdConnectorMetadata(saves=self._producer.saves_for(scheduler_output))
+            return EpdConnectorMetadata(saves=self._producer.saves_for(scheduler_output), restores=self._producer.take_restores())
         return EpdConnectorMetadata(installs=self._consumer.build_installs(scheduler_output))
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
@@ -118,6 +119,8 @@ class EpdECConnector(ECConnectorBase):
     def start_save_caches(self, encoder_cache: dict[str, torch.Tensor] | None = None, **kwargs: Any) -> None:
         metadata = self._get_connector_metadata()
         assert isinstance(metadata, EpdConnectorMetadata) and self._worker is not None
+        if encoder_cache is not None:
+            self._worker.restore(metadata.restores, encoder_cache)
         self._worker.start_saves(metadata.saves, encoder_cache or {})
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
@@ -166,6 +169,16 @@ class _WorkerSide:
                 self._write(save, encoder_cache[save.mm_hash])
             else:
                 self._pending.setdefault(save.mm_hash, []).append(save)
+
+    def restore(self, restores: list[Restore], encoder_cache: dict[str, torch.Tensor]) -> None:
+        """Copies (the slot may be evicted later; vLLM's entry must outlive it) cached outputs
+        into the encoder cache, where vLLM now counts them as present."""
+        for restore in restores:
+            if restore.mm_hash not in encoder_cache:
+                start = restore.offset + HEADER_BYTES
+                nbytes = restore.rows * restore.width * DTYPES[restore.dtype].itemsize
+                rows = self.buffer[start : start + nbytes].view(DTYPES[restore.dtype]).view(restore.rows, restore.width)
+                encoder_cache[restore.mm_hash] = rows.to(self._device, copy=True)
 
     def save(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str) -> None:
         for save in self._pending.pop(mm_hash, ()):

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 from epd.domain import EmbeddingLocation, InlineEmbedding, NixlLocation
 from epd.transport._slots import SlotAllocator
-from epd.transport.arena import SharedCounters, generation_of
+from epd.transport.arena import SharedCounters
 from epd.transport.base import Read, Reader
 from epd.transport.ec_params import ExpectedItem, expected_from_params
 from epd.transport.shared_buffer import SharedBuffer
@@ -263,9 +263,9 @@ class ConsumerScheduler:
         """A read ended: over NIXL, the slot header must show the promised item, fully written."""
         expected = item.expected
         if error is None and isinstance(expected.location, NixlLocation):
-            promised = ready_fields(expected.dtype, generation_of(expected.location.lease_id), expected.rows, expected.width)
+            promised = ready_fields(expected.dtype, expected.location.slot_generation, expected.rows, expected.width)
             if header_fields(self._view, item.offset) != promised:
-                error = f"the producer's slot no longer holds lease {expected.location.lease_id} as promised ({self._describe_slot(item.offset)})"
+                error = f"the producer's slot no longer holds the item of lease {expected.location.lease_id} as promised ({self._describe_slot(item.offset)})"
         if error is None:
             item.state = "ready"
             if isinstance(expected.location, NixlLocation):

@@ -134,6 +134,7 @@ def _location_from_params(params: Mapping[str, Any]) -> EmbeddingLocation:
             descriptors=bytes(params["descriptors"]),
             nbytes=int(params["nbytes"]),
             lease_id=str(params["lease_id"]),
+            slot_generation=int(params["slot_generation"]),
             expires_at_unix_ms=int(params["expires_at_unix_ms"]),
             tag=bytes(params["tag"]),
         )

@@ -1,12 +1,20 @@
 """The producer half of the EPD EC connector, beside vLLM's scheduler (an encoder-only engine).
 
-For every request it sees, it leases one arena slot per distinct item before the request runs,
-sized from what vLLM already knows: the item's embedding rows (its placeholder positions), the
-encoder's output width (measured by vLLM at startup) and the model's dtype. Each step's
-connector metadata tells the worker which slots to fill; when the request finishes, the slots'
-headers tell whether the worker filled them, and the request's ``ec_transfer_params`` carry
-each item's location plus what vLLM's processor made of it (the per-item fields the model
-declares as placeholder metadata, and the run the item expanded into).
+For every request it sees, it leases one arena fill per distinct item before the request runs:
+the fill already held under the item's content hash when there is one (the encoder-output
+cache, :mod:`epd.transport.arena`), else new slots sized from what vLLM already knows: the
+item's embedding rows (its placeholder positions), the encoder's output width (measured by vLLM
+at startup) and the model's dtype. Each step's connector metadata tells the worker which slots
+to fill, and which cached outputs to copy into vLLM's encoder cache instead of running the
+tower; when the request finishes, the slots' headers tell whether the worker filled them, and
+the request's ``ec_transfer_params`` carry each item's location plus what vLLM's processor made
+of it (the per-item fields the model declares as placeholder metadata, and the run the item
+expanded into).
+
+A cached item reaches vLLM's scheduler as an external cache hit (``has_cache_item``), so its
+tower does not run. Its rows are then copied from the arena into the worker's encoder cache: vLLM
+records the item as cached from then on, and a later request whose fill was evicted in between
+finds its output there, as it would after a tower run.
 
 A request waits in vLLM's queue while the arena has no room for it (backpressure, like a full
 KV cache); a background thread ends leases as consumers' READ notifications arrive and as
@@ -52,12 +60,24 @@ class Save:
     dtype: str
 
 
+@dataclasses.dataclass(frozen=True)
+class Restore:
+    """Copy a cached item's rows from slot ``offset`` into the worker's encoder cache."""
+
+    mm_hash: str
+    offset: int
+    rows: int
+    width: int
+    dtype: str
+
+
 @dataclasses.dataclass
 class _Reservation:
     modality: str
     lease: Lease
     rows: int
     width: int
+    cached: bool  # leased on a fill the arena already held (published, or being written)
 
 
 class ProducerScheduler:
@@ -69,7 +89,7 @@ class ProducerScheduler:
         self._dtype = dtype_name(vllm_config.model_config.dtype)
         self._resolver = PlaceholderMetadataResolver(vllm_config.model_config)
         self._buffer = SharedBuffer.create(config.buffer_name("arena"), config.buffer_bytes)
-        self._arena = EmbeddingArena(self._buffer.tensor, slot_bytes=config.slot_bytes, lease_ttl_s=config.lease_ttl_s)
+        self._arena = EmbeddingArena(self._buffer.tensor, slot_bytes=config.slot_bytes, lease_ttl_s=config.lease_ttl_s, cache_bytes=config.cache_bytes)
         self._publisher = _publisher(config, self._buffer.tensor)
         # The encoder service beside this engine hands these out over gRPC (GetTransferMetadata).
         credentials = self._publisher.credentials
@@ -77,15 +97,17 @@ class ProducerScheduler:
         self._requests: dict[str, dict[str, _Reservation]] = {}
         self._modalities: dict[str, list[str]] = {}  # request id -> modality of each item
         self._unavailable: set[str] = set()
+        self._restores: list[Restore] = []  # for the worker, with the next step's metadata
         self._publish_item_sizes()
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="epd-ec-reaper", daemon=True)
         self._reaper.start()
         logger.info(
-            "EPD EC producer: %s arena of %d MiB (%d-byte slots), shared buffer %s",
+            "EPD EC producer: %s arena of %d MiB (%d-byte slots, up to %d MiB kept as an encoder-output cache), shared buffer %s",
             config.transport,
             config.buffer_bytes >> 20,
             config.slot_bytes,
+            config.cache_bytes >> 20,
             self._buffer.path,
         )
 
@@ -96,46 +118,70 @@ class ProducerScheduler:
             self._arena.counters.set("shards_total", read_of[1])
 
     def ensure_cache_available(self, request: Request) -> bool:
-        """Leases the request's slots the first time it is seen; False (wait) while full."""
+        """Leases the request's fills the first time it is seen; False (wait) while full."""
         if request.request_id in self._requests:
             return True
         from vllm.distributed.ec_transfer.ec_connector.encoder_output_width import get_encoder_output_width
 
         reservations: dict[str, _Reservation] = {}
         for feature in request.mm_features:
-            if feature.identifier in reservations:
-                continue  # the same content twice in one prompt: one slot serves both
+            key = feature.identifier
+            if key in reservations:
+                continue  # the same content twice in one prompt: one fill serves both
             rows = feature.mm_position.get_num_embeds()
             width = get_encoder_output_width(self._vllm_config, feature.modality)
-            try:
-                lease = self._arena.reserve(slot_bytes(rows, width, self._dtype))
-            except ValueError:
-                # The encoder service refuses such items before they get here; this is a guard.
-                logger.error("an item of request %s can never fit the arena (--embedding-buffer-bytes)", request.request_id)
-                self._unavailable.add(request.request_id)
-                lease = None
+            lease = self._arena.share(key)
+            cached = lease is not None
             if lease is None:
-                for reservation in reservations.values():
-                    self._arena.release(reservation.lease.lease_id)
-                return False
-            SlotHeader(SlotStatus.PENDING, self._dtype, lease.generation, rows, width).pack_into(self._buffer.tensor, lease.offset)
-            reservations[feature.identifier] = _Reservation(feature.modality, lease, rows, width)
+                try:
+                    lease = self._arena.reserve(slot_bytes(rows, width, self._dtype), key)
+                except ValueError:
+                    # The encoder service refuses such items before they get here; this is a guard.
+                    logger.error("an item of request %s can never fit the arena (--embedding-buffer-bytes)", request.request_id)
+                    self._unavailable.add(request.request_id)
+                if lease is None:
+                    for reservation in reservations.values():
+                        self._arena.release(reservation.lease.lease_id)
+                    return False
+                SlotHeader(SlotStatus.PENDING, self._dtype, lease.generation, rows, width).pack_into(self._buffer.tensor, lease.offset)
+            reservations[key] = _Reservation(feature.modality, lease, rows, width, cached)
+        hits = sum(r.cached for r in reservations.values())
+        counters = self._arena.counters
+        counters.set("cache_hits", counters.get("cache_hits") + hits)
+        counters.set("cache_misses", counters.get("cache_misses") + len(reservations) - hits)
         self._requests[request.request_id] = reservations
         self._modalities[request.request_id] = [f.modality for f in request.mm_features]
         return True
+
+    def has_cache_item(self, identifier: str) -> bool:
+        """Whether the item's output is published in the arena: vLLM then skips its tower."""
+        return self._arena.is_published(identifier)
+
+    def update_state_after_alloc(self, request: Request, index: int) -> None:
+        """vLLM took the item as cached: its rows go into the worker's encoder cache."""
+        feature = request.mm_features[index]
+        reservation = self._requests.get(request.request_id, {}).get(feature.identifier)
+        if reservation is not None and self._arena.is_published(feature.identifier):
+            self._restores.append(Restore(feature.identifier, reservation.lease.offset, reservation.rows, reservation.width, self._dtype))
 
     def take_unavailable_requests(self) -> set[str]:
         unavailable, self._unavailable = self._unavailable, set()
         return unavailable
 
     def saves_for(self, scheduler_output: SchedulerOutput) -> list[Save]:
-        """The slots of every request scheduled in this step (the worker skips filled ones)."""
+        """The unwritten slots of every request scheduled in this step (the worker skips those
+        it filled already)."""
         self._count_batches(scheduler_output)
         return [
             Save(request_id, mm_hash, r.lease.offset, r.lease.generation, r.rows, r.width, self._dtype)
             for request_id in scheduler_output.num_scheduled_tokens
             for mm_hash, r in self._requests.get(request_id, {}).items()
+            if not self._arena.is_published(mm_hash)
         ]
+
+    def take_restores(self) -> list[Restore]:
+        restores, self._restores = self._restores, []
+        return restores
 
     def request_finished(self, request: Request) -> dict[str, Any] | None:
         """Publishes the request's items; an aborted or failed request just frees its slots."""
@@ -206,9 +252,9 @@ class ProducerScheduler:
         lease = reservation.lease
         header = SlotHeader.unpack_from(self._buffer.tensor, lease.offset)
         if header.status is not SlotStatus.READY or header.generation != lease.generation:
-            self._arena.release(lease.lease_id)
+            self._arena.discard(lease.lease_id)
             return dataclasses.replace(item, error=f"the encoder output of item {index} was not written ({header.status.name})")
-        return dataclasses.replace(item, location=self._publisher.location(lease, self._arena.start_expiry(lease.lease_id)))
+        return dataclasses.replace(item, location=self._publisher.location(lease, self._arena.publish(lease.lease_id)))
 
     def _declared_fields(self, feature) -> dict:
         """The per-item fields the model declares as placeholder metadata for the modality."""

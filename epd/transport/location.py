@@ -22,26 +22,27 @@ Row = tuple[int, int, int]
 LEASE_ID_BYTES = 16
 LEASE_ID = re.compile(rf"[0-9a-f]{{{2 * LEASE_ID_BYTES}}}")
 TAG_BYTES = 32
-_TAG_CONTEXT = b"epd-nixl-location-v1"
+_TAG_CONTEXT = b"epd-nixl-location-v2"
 _DESCRIPTORS_VERSION = 1
 _DESCRIPTOR_ROW = struct.Struct("<QQI")  # address, length, device id
 
 
-def location_tag(key: bytes, agent_name: str, lease_id: str, descriptors: bytes, nbytes: int, expires_at_unix_ms: int) -> bytes:
-    """HMAC-SHA256 of a location's fields (each length-prefixed, so none can bleed into another).
+def location_tag(key: bytes, location: NixlLocation) -> bytes:
+    """HMAC-SHA256 of a location's fields but the tag itself (each length-prefixed, so none can
+    bleed into another).
 
     ``encoder_address`` is left out on purpose: the key is only ever fetched from that address,
     so a location pointing elsewhere cannot verify under the real encoder's key anyway.
     """
     message = bytearray(_TAG_CONTEXT)
-    for part in (agent_name.encode(), lease_id.encode(), descriptors, str(nbytes).encode(), str(expires_at_unix_ms).encode()):
+    fields = (location.agent_name, location.lease_id, location.descriptors, location.nbytes, location.expires_at_unix_ms, location.slot_generation)
+    for part in (field if isinstance(field, bytes) else str(field).encode() for field in fields):
         message += struct.pack("<I", len(part)) + part
     return hmac.new(key, bytes(message), hashlib.sha256).digest()
 
 
 def tag_matches(location: NixlLocation, key: bytes) -> bool:
-    expected = location_tag(key, location.agent_name, location.lease_id, location.descriptors, location.nbytes, location.expires_at_unix_ms)
-    return hmac.compare_digest(expected, location.tag)
+    return hmac.compare_digest(location_tag(key, location), location.tag)
 
 
 def location_problems(location: NixlLocation) -> list[tuple[str, str]]:

@@ -12,11 +12,11 @@ READ all of its registered memory. So:
   gRPC channel (``EncoderService.GetTransferMetadata``), which TLS credentials protect where
   configured;
 - every location carries an HMAC (:func:`location_tag`) over its agent, lease id, descriptors,
-  size and expiry; a reader READs nothing whose tag does not verify under the key the encoder
+  size, expiry and slot generation; a reader READs nothing whose tag does not verify under the key the encoder
   at the location's ``encoder_address`` gave it, so a handle cannot be moved onto another
   request's slot or lease;
-- after every READ the consumer checks the slot header's generation against the lease
-  (:mod:`epd.transport.ec_consumer`), so a replayed handle whose slot was reused is refused.
+- after every READ the consumer checks the slot header's generation against the location's
+  (:mod:`epd.transport.ec_consumer`), so a replayed handle whose slot was refilled is refused.
 
 The reader fetches a producer's credentials with a non-blocking gRPC call whose future it polls,
 caches them per encoder address, and fetches them again when a location does not verify or a
@@ -114,17 +114,17 @@ class NixlPublisher:
         the encoder service fills it in before handing the location out.
         """
         descriptors = encode_descriptors([(self._base + lease.offset, lease.nbytes, 0)])
-        expires_at_unix_ms = int(expires_at_unix_s * 1000)
-        key = self.credentials.location_key
-        return NixlLocation(
+        location = NixlLocation(
             agent_name=self.agent_name,
             encoder_address="",
             descriptors=descriptors,
             nbytes=lease.nbytes,
             lease_id=lease.lease_id,
-            expires_at_unix_ms=expires_at_unix_ms,
-            tag=location_tag(key, self.agent_name, lease.lease_id, descriptors, lease.nbytes, expires_at_unix_ms),
+            slot_generation=lease.generation,
+            expires_at_unix_ms=int(expires_at_unix_s * 1000),
+            tag=b"",
         )
+        return dataclasses.replace(location, tag=location_tag(self.credentials.location_key, location))
 
     def ended_leases(self) -> list[str]:
         """Lease ids that consumers READ, or that their owner released, since the last call.

@@ -2,8 +2,8 @@
 
 A consumer READs the header together with the rows, so it can check, after the READ and before
 vLLM sees a byte, that it got what its handle promised: the producer finished writing
-(``READY``), the slot still belongs to the same lease (its ``generation``; a lease that expired
-and whose slot was reused reads back a different one), and the shape and dtype match. Without
+(``READY``), the slot still holds the same fill (its ``generation``; a slot that was freed and
+refilled reads back a different one), and the shape and dtype match. Without
 it, a late READ of a reused slot would silently return another item's embedding.
 
 Layout (little-endian, 64 bytes so the rows that follow stay 64-byte aligned)::

@@ -1,0 +1,56 @@
+"""The encoder-output cache (issue 10, item 1): an item sent again, in a later request or in
+concurrent ones, is encoded once; the arena serves the repeats, and the tokens stay those of
+monolithic vLLM.
+
+The proof that the tower did not run is vLLM's own scheduling: ``epd_encoder_batch_items``
+counts the items the encoder engine scheduled for its tower.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from epd.client import chat_request, generate
+from epd.telemetry import scrape
+from epd.testing import synthetic_image_png
+from tests.helpers import wait_for_metric
+
+_TOWER_RUNS = "epd_encoder_batch_items{modality=image}"
+_HITS = "epd_encoder_cache_hits_total"
+_MISSES = "epd_encoder_cache_misses_total"
+
+
+def _request(seed: int, text: str):
+    return chat_request([(synthetic_image_png(128, 96, seed=seed), "image/png"), text], max_tokens=6, min_tokens=6)
+
+
+def _grown(before: dict[str, float], after: dict[str, float]) -> tuple[float, float, float]:
+    return tuple(after.get(name, 0.0) - before.get(name, 0.0) for name in (_TOWER_RUNS, _HITS, _MISSES))
+
+
+async def test_a_repeated_item_is_encoded_once_and_decodes_to_the_monolithic_tokens(family_stack):
+    encoder, epd, monolithic = family_stack.encoder, family_stack.gateway_stub("epd"), family_stack.gateway_stub("monolithic")
+    first, follow_up = _request(7301, "What is this?"), _request(7301, "And its colours?")
+    oracle = [(await generate(monolithic, r, timeout=120)).token_ids for r in (first, follow_up)]
+
+    before = scrape(encoder.metrics_port)
+    assert (await generate(epd, first, timeout=120)).token_ids == oracle[0]
+    assert _grown(before, scrape(encoder.metrics_port)) == (1, 0, 1)
+    # The same image in the next turn, with other text: served from the arena, no tower run.
+    middle = scrape(encoder.metrics_port)
+    assert (await generate(epd, follow_up, timeout=120)).token_ids == oracle[1]
+    assert _grown(middle, scrape(encoder.metrics_port)) == (0, 1, 0)
+    assert scrape(encoder.metrics_port)["epd_encoder_cache_bytes"] > 0
+    assert await wait_for_metric(encoder.metrics_port, "epd_arena_leases", 0.0) == 0.0
+
+
+async def test_concurrent_requests_for_a_new_item_run_the_tower_once(family_stack):
+    encoder, epd, monolithic = family_stack.encoder, family_stack.gateway_stub("epd"), family_stack.gateway_stub("monolithic")
+    requests = [_request(7302, f"Question {i}?") for i in range(3)]
+    oracle = [(await generate(monolithic, r, timeout=120)).token_ids for r in requests]
+
+    before = scrape(encoder.metrics_port)
+    results = await asyncio.gather(*(generate(epd, r, timeout=120) for r in requests))
+    assert [r.token_ids for r in results] == oracle
+    assert _grown(before, scrape(encoder.metrics_port)) == (1, 2, 1)
+    assert await wait_for_metric(encoder.metrics_port, "epd_arena_leases", 0.0) == 0.0
