@@ -11,11 +11,17 @@ The template's own markup keeps its special tokens. To tell the two apart, each 
 rendered as a sentinel (private-use characters no tokenizer merges across) and tokenized on
 its own with ``split_special_tokens``. Templates that rewrite message text (say, strip it) see
 the sentinel instead; the Qwen-style templates insert text verbatim.
+
+Tokenizing is serialized per renderer: a fast tokenizer's ``encode`` sets
+``split_special_tokens`` on the one Rust tokenizer every thread shares, so two renders at once
+could tokenize the template's markup as text (or a user's text as markup). The gateway renders
+in worker threads; this race once made concurrent requests' tokens differ from monolithic.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Sequence
 
 from epd.domain import ChatMessage, Modality, Role, TextPart
@@ -33,6 +39,7 @@ class PromptRenderer:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self._tokenizing = threading.Lock()  # see the module docstring
         self.max_prompt_bytes = max_prompt_bytes
         self.max_prompt_tokens = max_prompt_tokens
 
@@ -56,12 +63,13 @@ class PromptRenderer:
         conversation = [{"role": message.role.value, "content": [content(part) for part in message.parts]} for message in messages]
         template = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
         ids: list[int] = []
-        # re.split alternates template markup and the captured text-part indices.
-        for position, segment in enumerate(_SENTINELS.split(template)):
-            if position % 2:
-                ids += self.tokenizer.encode(texts[int(segment)], add_special_tokens=False, split_special_tokens=True)
-            elif segment:
-                ids += self.tokenizer.encode(segment, add_special_tokens=False)
+        with self._tokenizing:
+            # re.split alternates template markup and the captured text-part indices.
+            for position, segment in enumerate(_SENTINELS.split(template)):
+                if position % 2:
+                    ids += self.tokenizer.encode(texts[int(segment)], add_special_tokens=False, split_special_tokens=True)
+                elif segment:
+                    ids += self.tokenizer.encode(segment, add_special_tokens=False)
         if self.max_prompt_tokens and len(ids) > self.max_prompt_tokens:
             raise InvalidArgument.for_field("messages", f"render to {len(ids)} prompt tokens before any media, over the model's context of {self.max_prompt_tokens}")
         return ids
@@ -70,4 +78,5 @@ class PromptRenderer:
         """A prompt holding one placeholder per item, in order, and nothing to generate from."""
         conversation = [{"role": Role.USER.value, "content": [{"type": m.value} for m in modalities]}]
         text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=False)
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        with self._tokenizing:
+            return self.tokenizer.encode(text, add_special_tokens=False)
