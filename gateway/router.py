@@ -1,7 +1,11 @@
 """Spreads calls over the instances of one stage, and keeps dead instances out of the rotation.
 
 Picking: least in-flight first, round-robin on ties, instances known to serve before ones not
-yet heard from. Health: every instance's standard health service is watched (``Watch`` on the
+yet heard from. Work that a cache on the instance can reuse (an item's encoder output, a
+prompt prefix's KV) is picked by key instead (:meth:`StagePool.pick_for_key`): consistent
+hashing with bounded load, so a key keeps going to the same instance, a hot key spills to the
+next instance on the ring rather than to a random one, and an instance that joins or leaves
+moves only its own share of the keys. Health: every instance's standard health service is watched (``Watch`` on the
 stage's readiness name), so an instance that drains, loses its engine or dies leaves the
 rotation at once, and one that comes back (restarted at the same address) rejoins by itself.
 A call that fails with UNAVAILABLE ejects its instance until a fresh health check says it
@@ -13,11 +17,14 @@ Channels are created once per address and reused.
 from __future__ import annotations
 
 import asyncio
+import bisect
 import contextlib
 import dataclasses
 import enum
+import hashlib
 import itertools
 import logging
+import math
 import random
 from collections.abc import Callable
 
@@ -40,6 +47,33 @@ _CHANNEL_OPTIONS = CLIENT_OPTIONS + [
 _WATCH_RETRY_MIN_S = 0.1
 _WATCH_RETRY_MAX_S = 1.0
 _CHECK_TIMEOUT_S = 2.0
+# Consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam, 2016): an instance
+# takes a key only while its in-flight calls are under this factor times the mean (after the
+# call), so no instance gets more than ~25% above its share however hot a key is.
+_LOAD_BOUND = 1.25
+_POINTS_PER_INSTANCE = 64  # virtual nodes: keys spread evenly even over two or three instances
+
+
+def _ring_hash(text: str) -> int:
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+
+
+class HashRing:
+    """Where each key lands among a set of instances; instances come and go without moving
+    other instances' keys."""
+
+    def __init__(self, addresses: list[str]) -> None:
+        points = sorted((_ring_hash(f"{address}#{i}"), address) for address in addresses for i in range(_POINTS_PER_INSTANCE))
+        self._hashes = [h for h, _ in points]
+        self._owners = [a for _, a in points]
+
+    def walk(self, key: str) -> list[str]:
+        """Every instance once, in ring order from the key's point."""
+        start = bisect.bisect(self._hashes, _ring_hash(key))
+        seen: dict[str, None] = {}
+        for index in range(len(self._owners)):
+            seen.setdefault(self._owners[(start + index) % len(self._owners)])
+        return list(seen)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +122,7 @@ class StagePool:
         self._in_flight = dict.fromkeys(addresses, 0)
         self._health = dict.fromkeys(addresses, Health.UNKNOWN)
         self._turn = itertools.count()
+        self._ring = HashRing(addresses)
         self._tasks: set[asyncio.Task] = set()
         for address in addresses:
             telemetry.STAGE_INSTANCE_UP.labels(stage=stage, address=address).set(1)
@@ -119,6 +154,18 @@ class StagePool:
         start = next(self._turn) % len(candidates)
         ordered = candidates[start:] + candidates[:start]
         return min(ordered, key=lambda a: (self._health[a] is not Health.SERVING, self._in_flight[a]))
+
+    def pick_for_key(self, key: str, avoid: frozenset[str] = frozenset()) -> str:
+        """The first live instance from the key's point on the ring whose load is within the
+        bound; ones known to serve before ones not yet heard from, and instances in ``avoid``
+        only when no other is live."""
+        live = [a for a in self._ring.walk(key) if self._health[a] is not Health.DOWN]
+        if not live:
+            raise Unavailable(f"no live {self.stage} instance (all {len(self._stubs)} are down or unreachable)")
+        candidates = [a for a in live if a not in avoid] or live
+        candidates = [a for a in candidates if self._health[a] is Health.SERVING] or candidates
+        bound = math.ceil(_LOAD_BOUND * (sum(self._in_flight[a] for a in candidates) + 1) / len(candidates))
+        return next(a for a in candidates if self._in_flight[a] < bound)
 
     def stub(self, address: str):
         return self._stubs[address]

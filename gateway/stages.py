@@ -80,10 +80,12 @@ class EncoderClient:
     ) -> list[EncodedItem]:
         """Encodes the items over the encoder instances (one call per chosen instance, in
         parallel), in order; every lease granted is recorded in ``leases``, even on failure.
-        Instances in ``avoid`` (they failed this request before) are picked only as a last resort."""
+        Each item goes where its content hash points (that encoder's cache may hold its output
+        already). Instances in ``avoid`` (they failed this request before) are picked only as a
+        last resort."""
         groups: dict[str, list[int]] = defaultdict(list)
-        for index in range(len(media)):
-            groups[self.pool.pick(avoid)].append(index)
+        for index, item in enumerate(media):
+            groups[self.pool.pick_for_key(item.content_hash, avoid)].append(index)
         results: list[EncodedItem | None] = [None] * len(media)
 
         async def call(address: str, indices: list[int]) -> None:
@@ -113,12 +115,28 @@ class EncoderClient:
                 logger.warning("could not release %d leases on %s (they expire by TTL): %s", len(lease_ids), address, exc.details())
 
 
+_TEXT_PREFIX_TOKENS = 64
+
+
+def prefix_affinity_key(request: EngineRequest) -> str:
+    """What a prefill instance's caches could reuse for this request: the prompt up to its first
+    item, and that item (vLLM's prefix cache then holds the KV of both, and its encoder cache the
+    item), or, with no item, the first tokens. The turns of one chat share it, as do requests
+    with one system prompt and image; bounded load keeps a hot key from overloading one prefill."""
+    if not request.items:
+        return str(request.prompt_token_ids[:_TEXT_PREFIX_TOKENS])
+    first = request.items[0].metadata
+    tokens = request.prompt_token_ids
+    end = tokens.index(first.placeholder_token_id) if first.placeholder_token_id in tokens else 0
+    return f"{first.content_hash}:{tokens[:end]}"
+
+
 class PrefillClient:
     def __init__(self, pool: StagePool):
         self.pool = pool
 
     async def prefill(self, request: EngineRequest, deadline: float | None, avoid: frozenset[str] = frozenset()) -> KvHandoff:
-        address = self.pool.pick(avoid)
+        address = self.pool.pick_for_key(prefix_affinity_key(request), avoid)
         with self.pool.busy(address) as stub, _tracer.start_as_current_span("prefill", kind=SpanKind.CLIENT):
             try:
                 response = await stub.Prefill(wire.prefill_request_to_wire(request), timeout=time_left(deadline), metadata=telemetry.trace_metadata())

@@ -1,5 +1,6 @@
 """Stage routing (pure logic; channels never connect): least in-flight first, ties rotate,
-instances known to serve first, down instances never, ones that failed a request last."""
+instances known to serve first, down instances never, ones that failed a request last; keyed
+work by consistent hashing with bounded load."""
 
 from __future__ import annotations
 
@@ -49,6 +50,51 @@ async def test_health_decides_who_is_picked():
         pool._set_health("b:2", Health.SERVING)
         assert pool.available and changes == [False, True]
         assert pool.pick() == "b:2"
+    finally:
+        await pool.close()
+
+
+_KEYS = [f"item-{i}" for i in range(300)]
+
+
+async def test_a_key_sticks_to_one_instance_and_keys_spread_evenly():
+    pool = _pool(["a:1", "b:2", "c:3"])
+    try:
+        owners = {key: pool.pick_for_key(key) for key in _KEYS}
+        assert all(pool.pick_for_key(key) == owner for key, owner in owners.items())
+        shares = [list(owners.values()).count(a) / len(_KEYS) for a in pool.addresses]
+        assert all(0.2 < share < 0.47 for share in shares), shares
+    finally:
+        await pool.close()
+
+
+async def test_an_instance_leaving_or_joining_moves_only_its_own_keys():
+    pool = _pool(["a:1", "b:2", "c:3"])
+    try:
+        owners = {key: pool.pick_for_key(key) for key in _KEYS}
+        pool._set_health("b:2", Health.DOWN)
+        moved = {key: pool.pick_for_key(key) for key in _KEYS}
+        assert all(moved[key] == owner for key, owner in owners.items() if owner != "b:2")
+        assert "b:2" not in moved.values()
+        pool._set_health("b:2", Health.UNKNOWN)  # back (restarted at the same address)
+        assert {key: pool.pick_for_key(key) for key in _KEYS} == owners
+    finally:
+        await pool.close()
+
+
+async def test_a_hot_key_spills_to_the_next_instance_on_the_ring():
+    pool = _pool(["a:1", "b:2", "c:3"])
+    try:
+        key = _KEYS[0]
+        ring_order = pool._ring.walk(key)
+        assert pool.pick_for_key(key) == ring_order[0]
+        with pool.busy(ring_order[0]), pool.busy(ring_order[0]):
+            # Two in flight against a bound of ceil(1.25 * 3 / 3) = 2: the owner is full.
+            assert pool.pick_for_key(key) == ring_order[1]
+            with pool.busy(ring_order[1]), pool.busy(ring_order[1]), pool.busy(ring_order[2]):
+                assert pool.pick_for_key(key) == ring_order[0]  # the bound grew with the load
+        # An instance that failed this request is passed over, in ring order too.
+        assert pool.pick_for_key(key, frozenset({ring_order[0]})) == ring_order[1]
     finally:
         await pool.close()
 
