@@ -38,6 +38,7 @@ _HELP = {
     "lease_ttl_s": "how long a published embedding waits for its consumer",
     "encoder_cache_bytes": "arena bytes that published embeddings keep for reuse by later requests for the same item (LRU; 0: off)",
     "embedding_read_timeout_s": "limit on one encoder's NIXL metadata fetch or READ",
+    "advertise_host": "host consumers dial for this encoder's NIXL metadata, written into every embedding location (a name its TLS certificate covers); default: --host",
     "queue_timeout_s": "how long an Encode may wait for arena space or the engine before RESOURCE_EXHAUSTED",
     "max_prompt_bytes": "refuse chats with more text than this, before tokenizing (0: no limit)",
     "max_attempts": "tries per request, on other instances, when a stage is UNAVAILABLE before the first token",
@@ -121,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     enc = sub.add_parser("encoder", help="run the encoder service (vLLM encoder-only EC producer)")
     _server_flags(enc)
     _engine_flags(enc, _ARENA_FIELDS)
-    _flags(enc, _encoder_config_class(), ["queue_timeout_s"])
+    _flags(enc, _encoder_config_class(), ["queue_timeout_s", "advertise_host"])
     _media_limit_flags(enc)
 
     pre = sub.add_parser("prefill", help="run the prefill service (EC consumer, KV producer)")
@@ -238,7 +239,7 @@ def _run_service(args) -> None:
         from services.encoder.runner import EncoderConfig
         from services.encoder.server import serve
 
-        asyncio.run(serve(_engine_config(args, _ARENA_FIELDS), EncoderConfig(limits=_media_limits(args), queue_timeout_s=args.queue_timeout_s), server))
+        asyncio.run(serve(_engine_config(args, _ARENA_FIELDS), EncoderConfig(limits=_media_limits(args), queue_timeout_s=args.queue_timeout_s, advertise_host=args.advertise_host), server))
     elif args.command == "prefill":
         from services.prefill.server import serve
 

@@ -28,7 +28,7 @@ from epd.client import chat_request, generate, open_channel
 from epd.launcher import Stack, gateway_args
 from epd.security import TlsConfig, channel_credentials
 from epd.testing import synthetic_image_png
-from epd.v1 import gateway_pb2, gateway_pb2_grpc
+from epd.v1 import encoder_pb2, encoder_pb2_grpc, gateway_pb2, gateway_pb2_grpc, multimodal_pb2
 from tests.conftest import checkpoint
 from tests.helpers import MIN_TOKENS
 
@@ -137,7 +137,8 @@ def secure_stack(tmp_path_factory):
     tls = pki.service_flags()
     stack = Stack(tmp_path_factory.mktemp("secure-logs"))
     try:
-        encoder = stack.start("encoder", ["encoder", "--model", model, *tls])
+        # Consumers dial the encoder by the name its certificate covers, as in a StatefulSet.
+        encoder = stack.start("encoder", ["encoder", "--model", model, "--advertise-host", "localhost", *tls])
         combined = stack.start("combined", ["decode", "--model", model, "--mode", "combined", *tls])
         stack.wait_ready([encoder, combined], timeout=600)
         extra = [*tls, "--auth-token-file", str(pki.token_file)]
@@ -172,6 +173,14 @@ async def test_mtls_and_token_stream_the_monolithic_tokens(secure_stack, family_
     assert result.text == oracle.text
     assert result.finished.usage.prompt_tokens == oracle.finished.usage.prompt_tokens
     assert result.finished.usage.multimodal_tokens == oracle.finished.usage.multimodal_tokens > 0
+    # Its locations name the encoder by its advertised host: the combined decode fetched the
+    # NIXL metadata from there, over mTLS that verified that name (the certificate covers it).
+    async with secure_stack.channel("encoder", client=secure_stack.pki.client) as channel:
+        stub = encoder_pb2_grpc.EncoderServiceStub(channel)
+        item = multimodal_pb2.MediaItem(image=multimodal_pb2.Media(data=synthetic_image_png(112, 112, seed=83), mime_type="image/png"))
+        location = (await stub.Encode(encoder_pb2.EncodeRequest(items=[item]), timeout=60)).items[0].embedding.nixl
+        await stub.ReleaseEmbeddings(encoder_pb2.ReleaseEmbeddingsRequest(lease_ids=[location.lease_id]), timeout=10)
+    assert location.encoder_address == f"localhost:{secure_stack.addresses['encoder'].rpartition(':')[2]}"
 
 
 async def test_epd_generate_cli_speaks_mtls_with_a_token(secure_stack, family_stack, tmp_path):

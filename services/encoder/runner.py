@@ -37,6 +37,9 @@ class EncoderConfig:
     # How long one Encode may wait for the engine (a full arena or encoder queue) before it is
     # refused with RESOURCE_EXHAUSTED.
     queue_timeout_s: float = 30.0
+    # The host consumers dial for this encoder's NIXL metadata (written into every location): a
+    # name its TLS certificate covers, say a StatefulSet pod's DNS name. Empty: the bind host.
+    advertise_host: str = ""
 
 
 class EncoderRunner:

@@ -26,7 +26,8 @@ async def serve(engine_config: EngineConfig, config: EncoderConfig, server: Serv
         report = f"read {read} of {total} safetensors shards" if total else "shards read unknown (the engine's workers run in other processes)"
         logger.info("encoder-only load: %s", report)
         print(f"EPD_ENCODER_LOAD {report}", flush=True)
-        servicer.runner = EncoderRunner(config, engine, address=f"{engine.config.nixl_listen_host}:{host.port}")
+        advertised = config.advertise_host or engine.config.nixl_listen_host
+        servicer.runner = EncoderRunner(config, engine, address=f"{advertised}:{host.port}")
 
     def on_stop() -> None:
         if servicer.runner is not None:
