@@ -51,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
             from bench.encoder_throughput import run as run_encoder_throughput
 
             path = run_encoder_throughput(quick=args.quick, repeats=args.repeats, num_items=args.num_items, results_dir=args.results_dir, command=command)
+        elif name == "encoder_cache":
+            from bench.encoder_cache import run as run_encoder_cache
+
+            path = run_encoder_cache(quick=args.quick, results_dir=args.results_dir, command=command)
         elif name == "faults":
             from bench.faults import run as run_faults
 

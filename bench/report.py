@@ -234,6 +234,34 @@ def _seconds(value) -> str:
     return "never" if value is None else f"{value:.2f}"
 
 
+def _encoder_cache(doc: dict) -> list[str]:
+    lines = [
+        "## Encoder-output reuse: half the items repeat",
+        "",
+        f"Command: `{doc['command']}`  ",
+        f"Machine: {_machine(doc)}  ",
+        f"Every image is asked about twice, the second time {doc['repeat_after']} requests later with another question (one image, 8 output tokens per request), "
+        f"at most {doc['concurrency']} in flight, through one E/P/D gateway per arm over two encoders, one prefill and one decode (prefill and decode with `--no-caches`). "
+        "Tower runs: the items vLLM scheduled for the tower (`epd_encoder_batch_items`, both encoders).",
+        "",
+        "| arm | requests | unique images | tower runs | cache hits | TTFT p50 / p99 ms | E2EL p50 / p99 ms | tokens equal monolithic | failed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in doc["results"]:
+        lines.append(
+            f"| {r['arm']} | {r['requests']} | {r['unique_items']} | {r['tower_runs']:.0f} | {r['cache_hits']:.0f} "
+            f"| {_fmt(r['ttft_ms']['median'], 0)} / {_fmt(r['ttft_ms']['p99'], 0)} | {_fmt(r['e2el_ms']['median'], 0)} / {_fmt(r['e2el_ms']['p99'], 0)} "
+            f"| {r['tokens_equal_monolithic']} of {r['requests']} | {r['failed']} |"
+        )
+    by_arm = {r["arm"]: r for r in doc["results"]}
+    off, best = by_arm.get("cache off"), by_arm.get("local cache, affinity")
+    notes = []
+    if off and best and off["ttft_ms"]["median"]:
+        notes.append(f"TTFT p50 with the cache and affinity routing: {best['ttft_ms']['median'] / off['ttft_ms']['median']:.2f}x the cache-off arm's (goal ≤ 0.5x).")
+    notes.append("Goal: one tower run per unique image. A tier shared across encoders is not implemented (issue 10, item 2), so it has no arm.")
+    return [*lines, "", " ".join(notes), ""]
+
+
 def _faults(doc: dict) -> list[str]:
     lines = [
         "## Faults: SIGKILL of one of two instances of a stage under steady load",
@@ -344,6 +372,7 @@ SECTIONS = {  # in bench.common.EXPERIMENTS order
     "encoder_throughput": _encoder_throughput,
     "gateway_overhead": _gateway_overhead,
     **{name: _serving for name in SERVING_EXPERIMENTS},
+    "encoder_cache": _encoder_cache,
     "faults": _faults,
     "soak": _soak,
 }

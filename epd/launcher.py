@@ -29,8 +29,11 @@ logger = logging.getLogger(__name__)
 class ServiceProcess:
     """One service subprocess and what it has announced."""
 
-    def __init__(self, name: str, args: list[str], *, log_dir: pathlib.Path, env: dict[str, str] | None = None):
+    def __init__(self, name: str, args: list[str], *, log_dir: pathlib.Path, env: dict[str, str] | None = None, host: str = "127.0.0.1", wrapper: list[str] | None = None):
+        """``host``: where peers reach it (its ``--host``); ``wrapper``: a command that runs it,
+        say ``ip netns exec NAME`` (it must exec the service, so the PID stays the service's)."""
         self.name = name
+        self.host = host
         self.log_path = log_dir / f"{name}.log"
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
         self.port: int | None = None
@@ -38,7 +41,7 @@ class ServiceProcess:
         self.http_port: int | None = None  # a gateway's OpenAI-compatible front, when it has one
         self.ready = threading.Event()
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "epd.cli", *args],
+            [*(wrapper or []), sys.executable, "-m", "epd.cli", *args],
             stdout=subprocess.PIPE,
             stderr=self._log,
             text=True,
@@ -50,7 +53,7 @@ class ServiceProcess:
 
     @property
     def address(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def _read_stdout(self) -> None:
         for line in self.process.stdout:
@@ -127,8 +130,9 @@ class Stack:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self.services: list[ServiceProcess] = []
 
-    def start(self, name: str, args: list[str], env: dict[str, str] | None = None) -> ServiceProcess:
-        service = ServiceProcess(name, args, log_dir=self.log_dir, env=env)
+    def start(self, name: str, args: list[str], env: dict[str, str] | None = None, **placement) -> ServiceProcess:
+        """Starts a service; ``placement``: :class:`ServiceProcess`'s ``host`` and ``wrapper``."""
+        service = ServiceProcess(name, args, log_dir=self.log_dir, env=env, **placement)
         self.services.append(service)
         return service
 

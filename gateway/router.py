@@ -105,7 +105,9 @@ class StagePool:
         health_service: str = "",
         credentials: grpc.ChannelCredentials | None = None,
         on_availability_change: Callable[[], None] | None = None,
+        affinity: bool = True,
     ):
+        """``affinity``: False makes :meth:`pick_for_key` ignore the key (least in-flight)."""
         if not addresses:
             raise ValueError(f"no addresses for the {stage} stage")
         self.stage = stage
@@ -122,7 +124,7 @@ class StagePool:
         self._in_flight = dict.fromkeys(addresses, 0)
         self._health = dict.fromkeys(addresses, Health.UNKNOWN)
         self._turn = itertools.count()
-        self._ring = HashRing(addresses)
+        self._ring = HashRing(addresses) if affinity else None
         self._tasks: set[asyncio.Task] = set()
         for address in addresses:
             telemetry.STAGE_INSTANCE_UP.labels(stage=stage, address=address).set(1)
@@ -159,6 +161,8 @@ class StagePool:
         """The first live instance from the key's point on the ring whose load is within the
         bound; ones known to serve before ones not yet heard from, and instances in ``avoid``
         only when no other is live."""
+        if self._ring is None:
+            return self.pick(avoid)
         live = [a for a in self._ring.walk(key) if self._health[a] is not Health.DOWN]
         if not live:
             raise Unavailable(f"no live {self.stage} instance (all {len(self._stubs)} are down or unreachable)")

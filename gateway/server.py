@@ -31,6 +31,7 @@ class GatewayConfig:
     limits: MediaLimits = MediaLimits()
     retry: RetryPolicy = RetryPolicy()
     forward_media: bool = False  # benchmarks' media-forwarding baseline
+    affinity_routing: bool = True  # off (benchmarks' baseline): least in-flight for every stage
     auth_token_file: str = ""  # clients must send this file's token; empty: no token required
     max_prompt_bytes: int = 1024 * 1024  # text of one chat, checked before tokenizing
     max_prompt_tokens: int = 0  # the model's context (the CLI passes --max-model-len); 0: unchecked
@@ -56,7 +57,13 @@ def _disaggregated(config: GatewayConfig, host: GrpcHost, credentials: grpc.Chan
         health_service = pb2.DESCRIPTOR.services_by_name[service].full_name
         pools.append(
             StagePool(
-                stage, list(addresses), stub_class, health_service=health_service, credentials=credentials, on_availability_change=follow_stages
+                stage,
+                list(addresses),
+                stub_class,
+                health_service=health_service,
+                credentials=credentials,
+                on_availability_change=follow_stages,
+                affinity=config.affinity_routing,
             )
         )
         pools[-1].watch_health()

@@ -99,6 +99,14 @@ async def test_a_hot_key_spills_to_the_next_instance_on_the_ring():
         await pool.close()
 
 
+async def test_without_affinity_keys_are_ignored():
+    pool = StagePool("encoder", ["a:1", "b:2"], encoder_pb2_grpc.EncoderServiceStub, affinity=False)
+    try:
+        assert [pool.pick_for_key("same") for _ in range(4)] == ["a:1", "b:2", "a:1", "b:2"]
+    finally:
+        await pool.close()
+
+
 def test_retry_backoff_is_jittered_and_doubles():
     policy = RetryPolicy(max_attempts=3, retry_backoff_s=0.1)
     for attempt in (1, 2, 3):
