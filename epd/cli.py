@@ -141,9 +141,10 @@ def build_parser() -> argparse.ArgumentParser:
     _server_flags(gw)
     _engine_flags(gw)
     gw.add_argument("--mode", choices=["epd", "epd-combined", "monolithic"], default="epd")
-    gw.add_argument("--encoder", action="append", default=[], help="encoder address (repeat for several)")
-    gw.add_argument("--prefill", action="append", default=[], help="prefill address (repeat for several)")
-    gw.add_argument("--decode", action="append", default=[], help="decode address (repeat for several)")
+    instances = "host:port of one instance, or dns:///name:port for every address the name resolves to (re-resolved every 5 s and after a failure); repeat for several"
+    gw.add_argument("--encoder", action="append", default=[], help=f"encoder: {instances}")
+    gw.add_argument("--prefill", action="append", default=[], help=f"prefill: {instances}")
+    gw.add_argument("--decode", action="append", default=[], help=f"decode: {instances}")
     gw.add_argument(
         "--forward-media",
         action="store_true",

@@ -26,6 +26,7 @@ import itertools
 import logging
 import math
 import random
+import socket
 from collections.abc import Callable
 
 import grpc
@@ -93,65 +94,105 @@ class Health(enum.Enum):
     DOWN = "down"  # NOT_SERVING, unreachable, or its last call failed: never picked
 
 
+DNS_PREFIX = "dns:///"
+
+
+def _dns_target(target: str) -> tuple[str, int]:
+    """``dns:///host:port`` as (host, port); raises ValueError for anything else."""
+    host, _, port = target.removeprefix(DNS_PREFIX).rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{target!r} is not dns:///host:port")
+    return host, int(port)
+
+
+def _instances(infos, port: int) -> list[str]:
+    """getaddrinfo results as instance addresses, one per distinct IP."""
+    ips = sorted({info[4][0] for info in infos})
+    return [f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}" for ip in ips]
+
+
 class StagePool:
-    """The instances of one stage (encoder, prefill or decode)."""
+    """The instances of one stage (encoder, prefill or decode).
+
+    Targets are instance addresses (``host:port``) or DNS names that stand for a set of instances
+    (``dns:///name:port``, say a Kubernetes headless Service: one instance per address the name
+    resolves to). Names are resolved again every ``resolve_interval_s`` and at once after a call
+    fails, so instances join and leave without a restart: a new one is watched and taken into
+    the ring; one the name no longer lists takes no new work and goes once its calls end.
+    """
 
     def __init__(
         self,
         stage: str,
-        addresses: list[str],
+        targets: list[str],
         stub_class,
         *,
         health_service: str = "",
         credentials: grpc.ChannelCredentials | None = None,
         on_availability_change: Callable[[], None] | None = None,
         affinity: bool = True,
+        resolve_interval_s: float = 5.0,
     ):
         """``affinity``: False makes :meth:`pick_for_key` ignore the key (least in-flight)."""
-        if not addresses:
+        if not targets:
             raise ValueError(f"no addresses for the {stage} stage")
         self.stage = stage
+        self._stub_class = stub_class
+        self._credentials = credentials
         self._health_service = health_service
-        self._on_availability_change = on_availability_change
-
-        def channel(address: str) -> grpc.aio.Channel:
-            if credentials is None:
-                return grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
-            return grpc.aio.secure_channel(address, credentials, options=_CHANNEL_OPTIONS)
-
-        self._channels = {a: channel(a) for a in addresses}
-        self._stubs = {a: stub_class(c) for a, c in self._channels.items()}
-        self._in_flight = dict.fromkeys(addresses, 0)
-        self._health = dict.fromkeys(addresses, Health.UNKNOWN)
+        self._on_availability_change: Callable[[], None] | None = None  # set once the first members are in
+        self._affinity = affinity
+        self._resolve_interval_s = resolve_interval_s
+        self._static = [t for t in targets if not t.startswith(DNS_PREFIX)]
+        self._names = [_dns_target(t) for t in targets if t.startswith(DNS_PREFIX)]
+        self._resolved: dict[tuple[str, int], list[str]] = {}  # the last answer for each name
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._stubs: dict[str, object] = {}
+        self._in_flight: dict[str, int] = {}
+        self._health: dict[str, Health] = {}
+        self._leaving: set[str] = set()  # no longer listed: no new work, dropped when idle
+        self._watchers: dict[str, asyncio.Task] = {}
+        self._watching = False
+        self._resolve_now: asyncio.Event | None = None
         self._turn = itertools.count()
-        self._ring = HashRing(addresses) if affinity else None
+        self._ring: HashRing | None = None
         self._tasks: set[asyncio.Task] = set()
-        for address in addresses:
-            telemetry.STAGE_INSTANCE_UP.labels(stage=stage, address=address).set(1)
+        for host, port in self._names:
+            try:
+                self._resolved[(host, port)] = _instances(socket.getaddrinfo(host, port, type=socket.SOCK_STREAM), port)
+            except OSError as exc:
+                logger.warning("%s: cannot resolve %s yet: %s", stage, host, exc)
+        self._set_members(self._wanted())
+        self._on_availability_change = on_availability_change
 
     @property
     def addresses(self) -> list[str]:
-        return list(self._stubs)
+        return [a for a in self._stubs if a not in self._leaving]
 
     @property
     def available(self) -> bool:
         """Whether any instance may be picked (the gateway's readiness needs one per stage)."""
-        return any(state is not Health.DOWN for state in self._health.values())
+        return any(self._health[a] is not Health.DOWN for a in self.addresses)
 
     def health(self, address: str) -> Health:
         return self._health[address]
 
     def watch_health(self) -> None:
-        """Starts watching every instance's health; runs until :meth:`close`."""
+        """Starts watching every instance's health, and re-resolving the names; runs until
+        :meth:`close`."""
+        self._watching = True
         for address in self.addresses:
-            self._spawn(self._watch(address))
+            self._watchers[address] = self._spawn(self._watch(address))
+        if self._names:
+            self._resolve_now = asyncio.Event()
+            self._spawn(self._resolve_loop())
 
     def pick(self, avoid: frozenset[str] = frozenset()) -> str:
         """The least-loaded live instance, preferring ones not in ``avoid`` (those that already
         failed this request) and ones known to serve; ties rotate so idle instances share work."""
         live = [a for a in self.addresses if self._health[a] is not Health.DOWN]
         if not live:
-            raise Unavailable(f"no live {self.stage} instance (all {len(self._stubs)} are down or unreachable)")
+            raise Unavailable(f"no live {self.stage} instance (all {len(self.addresses)} are down or unreachable)")
         candidates = [a for a in live if a not in avoid] or live
         start = next(self._turn) % len(candidates)
         ordered = candidates[start:] + candidates[:start]
@@ -165,13 +206,20 @@ class StagePool:
             return self.pick(avoid)
         live = [a for a in self._ring.walk(key) if self._health[a] is not Health.DOWN]
         if not live:
-            raise Unavailable(f"no live {self.stage} instance (all {len(self._stubs)} are down or unreachable)")
+            raise Unavailable(f"no live {self.stage} instance (all {len(self.addresses)} are down or unreachable)")
         candidates = [a for a in live if a not in avoid] or live
         candidates = [a for a in candidates if self._health[a] is Health.SERVING] or candidates
         bound = math.ceil(_LOAD_BOUND * (sum(self._in_flight[a] for a in candidates) + 1) / len(candidates))
         return next(a for a in candidates if self._in_flight[a] < bound)
 
     def stub(self, address: str):
+        """The stub of an instance still in the pool.
+
+        Raises:
+            Unavailable: the instance has left it.
+        """
+        if address not in self._stubs:
+            raise Unavailable(f"{self.stage} {address} is no longer an instance")
         return self._stubs[address]
 
     @contextlib.contextmanager
@@ -182,19 +230,25 @@ class StagePool:
             yield self._stubs[address]
         finally:
             self._in_flight[address] -= 1
+            if address in self._leaving and not self._in_flight[address]:
+                self._drop(address)
 
     def eject(self, address: str, reason: str) -> None:
         """Takes an instance whose call failed out of the rotation until a health check passes.
 
         The check runs at once: an instance that is fine (the failure was a peer's, say the
         encoder that prefill read from) is back within a round trip; a dead one stays out until
-        its health watch reconnects to a restarted process.
+        its health watch reconnects to a restarted process. Names are resolved again too.
         """
+        if address not in self._health:
+            return
         if self._health[address] is not Health.DOWN:
             logger.warning("%s %s ejected: %s", self.stage, address, reason)
             telemetry.STAGE_EJECTIONS.labels(stage=self.stage).inc()
         self._set_health(address, Health.DOWN)
         self._spawn(self._check(address))
+        if self._resolve_now is not None:
+            self._resolve_now.set()
 
     async def close(self) -> None:
         for task in list(self._tasks):
@@ -203,10 +257,81 @@ class StagePool:
         for channel in self._channels.values():
             await channel.close()
 
-    def _spawn(self, coroutine) -> None:
+    def _spawn(self, coroutine) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coroutine)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
+
+    # ---- membership -------------------------------------------------------------------------
+
+    def _wanted(self) -> list[str]:
+        return list(dict.fromkeys([*self._static, *(a for addresses in self._resolved.values() for a in addresses)]))
+
+    def _set_members(self, wanted: list[str]) -> None:
+        was_available = self.available
+        for address in wanted:
+            if address in self._leaving:
+                self._leaving.discard(address)  # listed again before it was dropped
+            elif address not in self._stubs:
+                self._add(address)
+        for address in [a for a in self.addresses if a not in wanted]:
+            self._retire(address)
+        self._ring = HashRing(self.addresses) if self._affinity and self.addresses else None
+        if self.available != was_available and self._on_availability_change is not None:
+            self._on_availability_change()
+
+    def _add(self, address: str) -> None:
+        options = list(_CHANNEL_OPTIONS)
+        name = next((host for (host, port), listed in self._resolved.items() if address in listed), None)
+        if self._credentials is None:
+            channel = grpc.aio.insecure_channel(address, options=options)
+        else:
+            if name is not None:  # dialled by IP: verify the certificate against the name
+                options.append(("grpc.ssl_target_name_override", name))
+            channel = grpc.aio.secure_channel(address, self._credentials, options=options)
+        self._channels[address] = channel
+        self._stubs[address] = self._stub_class(channel)
+        self._in_flight[address] = 0
+        self._health[address] = Health.UNKNOWN
+        telemetry.STAGE_INSTANCE_UP.labels(stage=self.stage, address=address).set(1)
+        if self._watching:
+            logger.info("%s %s joined", self.stage, address)
+            self._watchers[address] = self._spawn(self._watch(address))
+
+    def _retire(self, address: str) -> None:
+        logger.info("%s %s left (no longer listed)", self.stage, address)
+        self._leaving.add(address)
+        watcher = self._watchers.pop(address, None)
+        if watcher is not None:
+            watcher.cancel()
+        with contextlib.suppress(KeyError):
+            telemetry.STAGE_INSTANCE_UP.remove(self.stage, address)
+        if not self._in_flight[address]:
+            self._drop(address)
+
+    def _drop(self, address: str) -> None:
+        self._leaving.discard(address)
+        for table in (self._stubs, self._in_flight, self._health):
+            table.pop(address, None)
+        channel = self._channels.pop(address, None)
+        if channel is not None:
+            self._spawn(channel.close())
+
+    async def _resolve_loop(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._resolve_now.wait(), self._resolve_interval_s)
+            self._resolve_now.clear()
+            for host, port in self._names:
+                try:
+                    self._resolved[(host, port)] = _instances(await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), port)
+                except OSError as exc:  # keep the last answer: a DNS hiccup must not empty the pool
+                    logger.warning("%s: cannot resolve %s: %s", self.stage, host, exc)
+            self._set_members(self._wanted())
+
+    # ---- health -----------------------------------------------------------------------------
 
     async def _watch(self, address: str) -> None:
         stub = health_pb2_grpc.HealthStub(self._channels[address])
@@ -224,14 +349,18 @@ class StagePool:
             retry_s = min(retry_s * 2, _WATCH_RETRY_MAX_S)
 
     async def _check(self, address: str) -> None:
-        stub = health_pb2_grpc.HealthStub(self._channels[address])
+        channel = self._channels.get(address)
+        if channel is None:
+            return
         try:
-            response = await stub.Check(health_pb2.HealthCheckRequest(service=self._health_service), timeout=_CHECK_TIMEOUT_S)
+            response = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=self._health_service), timeout=_CHECK_TIMEOUT_S)
         except grpc.aio.AioRpcError:
             return  # still down; the watch brings it back when it returns
         self._set_health(address, _health_of(response))
 
     def _set_health(self, address: str, state: Health) -> None:
+        if address not in self._health or address in self._leaving:
+            return  # it left the pool meanwhile
         was_available = self.available
         if self._health[address] is not state and state is Health.SERVING and self._health[address] is Health.DOWN:
             logger.info("%s %s is serving again", self.stage, address)

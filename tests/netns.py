@@ -4,13 +4,19 @@ Each "host" is a namespace with one veth into a bridge that lives in a namespace
 (the switch), and an address the test picks in a private /24 that no route of this machine
 uses. The test's own namespace gets one veth into the switch too, so it can reach the hosts
 (and nothing else is touched: removing the namespaces removes every veth). Linux only, as root.
+
+A host can also get its own ``/etc/hosts`` (:meth:`Hosts.set_names`): ``ip netns exec`` binds
+``/etc/netns/<namespace>/hosts`` over it for the processes it starts, and the resolver reads it
+on every lookup, so a test can make a DNS name list instances and change the list at run time.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import os
+import pathlib
 import random
+import shutil
 import subprocess
 
 
@@ -58,6 +64,15 @@ class Hosts:
     def wrapper(self, name: str) -> list[str]:
         return ["ip", "netns", "exec", self.namespace(name)]
 
+    def set_names(self, name: str, entries: dict[str, list[str]]) -> None:
+        """What ``/etc/hosts`` says on host ``name`` (to processes started after the first call):
+        each DNS name with its addresses. Rewritten in place, so running processes see it."""
+        lines = ["127.0.0.1 localhost", *(f"{address} {dns_name}" for dns_name, addresses in entries.items() for address in addresses)]
+        path = pathlib.Path("/etc/netns") / self.namespace(name) / "hosts"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "w") as file:  # the same inode: the bind mount keeps showing it
+            file.write("\n".join(lines) + "\n")
+
     def __enter__(self) -> Hosts:
         subnet = _free_subnet()
         hosts = list(subnet.hosts())
@@ -80,6 +95,7 @@ class Hosts:
     def __exit__(self, *exc) -> None:
         for namespace in reversed(self._created):
             subprocess.run(["ip", "netns", "del", namespace], capture_output=True, timeout=30)
+            shutil.rmtree(pathlib.Path("/etc/netns") / namespace, ignore_errors=True)
         self._created.clear()
         # Gone with its peer on the switch, unless setting up failed before the peer moved.
         subprocess.run(["ip", "link", "del", f"t-{self._tag}"], capture_output=True, timeout=30)

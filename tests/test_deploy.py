@@ -3,7 +3,7 @@ kustomize``), lints clean with yamllint, and every rendered object validates str
 the Kubernetes API schemas (``kubernetes-validate``, which ships them). Then what the manifests
 promise an operator: gRPC ports named ``grpc-*``, native gRPC probes with the readiness name of
 each service, a drain before SIGTERM, a disruption budget per component, the NetworkPolicy
-fence, GPUs in the GPU overlay, and a gateway that lists exactly the stage pods that exist.
+fence, GPUs in the GPU overlay, and a gateway that finds each stage through its Service.
 
 ``scripts/test.sh`` installs kubectl (Debian's kubernetes-client) where it is missing.
 """
@@ -84,15 +84,20 @@ def test_workloads_carry_probes_drain_budgets_and_named_ports(overlay):
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_the_gateway_lists_exactly_the_stage_pods_and_secrets_hold_the_credentials(overlay):
+def test_the_gateway_finds_each_stage_by_its_service_and_secrets_hold_the_credentials(overlay):
     docs = _render(overlay)
     stages = _of_kind(docs, "StatefulSet")
+    services = _of_kind(docs, "Service")
     gateway = _of_kind(docs, "Deployment")["epd-gateway"]["spec"]["template"]["spec"]
     args = gateway["containers"][0]["args"]
     for stage in ("encoder", "prefill", "decode"):
-        replicas = stages[f"epd-{stage}"]["spec"]["replicas"]
         listed = [a.removeprefix(f"--{stage}=") for a in args if a.startswith(f"--{stage}=")]
-        assert listed == [f"epd-{stage}-{i}.epd-{stage}:50051" for i in range(replicas)]
+        assert listed == [f"dns:///epd-{stage}:50051"]
+        # The name is the stage's headless Service, which selects exactly the StatefulSet's pods.
+        service = services[f"epd-{stage}"]["spec"]
+        assert service["clusterIP"] == "None" and service["publishNotReadyAddresses"] is True
+        assert service["selector"] == stages[f"epd-{stage}"]["spec"]["selector"]["matchLabels"]
+        assert {"name": f"grpc-{stage}", "port": 50051} in service["ports"]
     assert "--auth-token-file=/etc/epd/token/token" in args
     secrets = {v["secret"]["secretName"] for spec in [gateway, *(s["spec"]["template"]["spec"] for s in stages.values())] for v in spec["volumes"] if "secret" in v}
     assert secrets == {"epd-tls", "epd-gateway-token"}

@@ -4,6 +4,10 @@ work by consistent hashing with bounded load."""
 
 from __future__ import annotations
 
+import asyncio
+import socket
+import time
+
 import pytest
 
 from epd.errors import Unavailable
@@ -103,6 +107,44 @@ async def test_without_affinity_keys_are_ignored():
     pool = StagePool("encoder", ["a:1", "b:2"], encoder_pb2_grpc.EncoderServiceStub, affinity=False)
     try:
         assert [pool.pick_for_key("same") for _ in range(4)] == ["a:1", "b:2", "a:1", "b:2"]
+    finally:
+        await pool.close()
+
+
+async def _until(condition, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    return condition()
+
+
+async def test_a_dns_name_stands_for_the_instances_it_resolves_to(monkeypatch):
+    """Membership follows the name's answers (a fake resolver; the instances are loopback
+    addresses nobody listens on, so their health watches fail and nothing else is reached)."""
+    answers = {"encoders.test": ["127.0.0.2"]}
+
+    def resolve(host, port, *args, **kwargs):
+        if host not in answers:
+            raise socket.gaierror(socket.EAI_NONAME, "unknown name")
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in answers[host]]
+
+    monkeypatch.setattr(socket, "getaddrinfo", resolve)
+    pool = StagePool("encoder", ["dns:///encoders.test:50999", "127.0.0.1:1"], encoder_pb2_grpc.EncoderServiceStub, resolve_interval_s=0.05)
+    try:
+        assert pool.addresses == ["127.0.0.1:1", "127.0.0.2:50999"]  # resolved before the first pick
+        pool.watch_health()
+        answers["encoders.test"] = ["127.0.0.2", "127.0.0.3"]  # scaled up
+        assert await _until(lambda: "127.0.0.3:50999" in pool.addresses)
+        with pool.busy("127.0.0.2:50999"):
+            answers["encoders.test"] = ["127.0.0.3"]  # scaled down while a call runs there
+            assert await _until(lambda: "127.0.0.2:50999" not in pool.addresses)
+            assert pool.stub("127.0.0.2:50999") is not None  # its call keeps the channel
+        with pytest.raises(Unavailable, match="no longer an instance"):
+            pool.stub("127.0.0.2:50999")
+        assert set(pool._ring.walk("any key")) == {"127.0.0.1:1", "127.0.0.3:50999"}  # the ring follows
+        del answers["encoders.test"]  # a DNS failure keeps the last answer
+        await asyncio.sleep(0.2)
+        assert pool.addresses == ["127.0.0.1:1", "127.0.0.3:50999"]
     finally:
         await pool.close()
 
