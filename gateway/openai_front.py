@@ -34,6 +34,7 @@ import grpc
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from opentelemetry import trace
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -125,10 +126,12 @@ async def _cancel_when_gone(request: Request, run: _Run) -> None:
 
 class _Tracker:
     """epd_requests_in_flight and epd_requests_total for one chat, as rpc_method keeps them for
-    gRPC calls (service "gateway", method "ChatCompletions")."""
+    gRPC calls (service "gateway", method "ChatCompletions"), and its SERVER span: a child of
+    the client's ``traceparent`` header when it sends one, the parent of every stage call."""
 
-    def __init__(self) -> None:
+    def __init__(self, headers) -> None:
         telemetry.IN_FLIGHT.labels(service="gateway").inc()
+        self.span = telemetry.server_span("POST /v1/chat/completions", headers.items())
         self.code = grpc.StatusCode.CANCELLED  # until the reply is complete or an error is known
         self._open = True
 
@@ -137,6 +140,8 @@ class _Tracker:
             self._open = False
             telemetry.IN_FLIGHT.labels(service="gateway").dec()
             telemetry.REQUESTS.labels(service="gateway", method="ChatCompletions", code=self.code.name).inc()
+            self.span.set_attribute("rpc.grpc.status_code", self.code.value[0])
+            self.span.end()
 
 
 class _EventStream(StreamingResponse):
@@ -268,9 +273,12 @@ class OpenAIFront:
         return {"object": "list", "data": [{"id": self.model_id, "object": "model", "created": self._created, "owned_by": "epd"}]}
 
     async def _chat(self, request: Request) -> Response:
-        tracker = _Tracker()
+        tracker = _Tracker(request.headers)
         try:
-            response = await self._answer(request, tracker)
+            # Current while the chat's pipeline task starts (it inherits the context), so every
+            # stage call is the span's child; attached and detached in this one task.
+            with trace.use_span(tracker.span, end_on_exit=False):
+                response = await self._answer(request, tracker)
         except (EpdError, HttpError) as exc:
             tracker.code = exc.code if isinstance(exc, EpdError) else exc.rpc_code
             tracker.finish()

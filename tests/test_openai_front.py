@@ -19,6 +19,7 @@ import dataclasses
 import datetime
 import ipaddress
 import ssl
+import time
 from collections.abc import Callable
 
 import grpc
@@ -469,13 +470,13 @@ class HttpStack:
 
 
 @pytest.fixture(scope="module")
-def http_stack(stacks, tmp_path_factory):
+def http_stack(stacks, tmp_path_factory, otlp_receiver):
     """An E+PD gateway with ``--http-port 0`` and a token, on the shared Qwen2.5-VL stack's
     encoder and combined decode (conftest sorts these tests among that stack's)."""
     family = stacks.get(DEFAULT_FAMILY)
     token_file = tmp_path_factory.mktemp("token") / "token"
     token_file.write_text(TOKEN + "\n")
-    extra = ["--http-port", "0", "--auth-token-file", str(token_file), "--metrics-port", "0"]
+    extra = ["--http-port", "0", "--auth-token-file", str(token_file), "--metrics-port", "0", "--otlp-endpoint", otlp_receiver.endpoint]
     args = gateway_args(family.model, "epd-combined", encoders=[family.encoder.address], decodes=[family.combined.address], extra=extra)
     with family.stack.temporary("gateway-http", args) as gateway:
         assert gateway.http_port, "EPD_LISTENING carries the HTTP port"
@@ -547,6 +548,24 @@ async def test_a_completion_equals_the_grpc_reply(http_stack):
     assert (reply.usage.prompt_tokens, reply.usage.completion_tokens) == (usage.prompt_tokens, 16)
     assert reply.usage.total_tokens == usage.prompt_tokens + 16
     assert usage.multimodal_tokens > 0
+
+
+async def test_a_chat_is_one_trace_from_the_clients_traceparent_through_every_stage(http_stack, otlp_receiver):
+    trace_id = "4bf92f3577b34da6a3ce929d0e0e4736"
+    messages, _ = _image_chat(synthetic_image_png(90, 110, seed=304), 2)
+    async with httpx.AsyncClient(base_url=http_stack.base_url, timeout=180) as client:
+        reply = await client.post(
+            "/chat/completions",
+            json={"model": "qwen2_5_vl-s0", "messages": messages, "max_tokens": 2, "temperature": 0},
+            headers={"authorization": f"Bearer {TOKEN}", "traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"},
+        )
+    assert reply.status_code == 200, reply.text
+    wanted = {"gateway", "encoder", "decode-combined"}
+    deadline = time.monotonic() + 20  # exporters flush in batches every few seconds
+    while not wanted <= (seen := {s.service for s in otlp_receiver.spans() if s.trace_id == trace_id}) and time.monotonic() < deadline:
+        await asyncio.sleep(0.5)
+    assert wanted <= seen, seen
+    assert any(s.name == "POST /v1/chat/completions" and s.service == "gateway" for s in otlp_receiver.spans() if s.trace_id == trace_id)
 
 
 async def test_a_stream_equals_the_grpc_reply(http_stack):
