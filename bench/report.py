@@ -242,7 +242,9 @@ def _encoder_cache(doc: dict) -> list[str]:
         f"Machine: {_machine(doc)}  ",
         f"Every image is asked about twice, the second time {doc['repeat_after']} requests later with another question (one image, 8 output tokens per request), "
         f"at most {doc['concurrency']} in flight, through one E/P/D gateway per arm over two encoders, one prefill and one decode (prefill and decode with `--no-caches`). "
-        "Tower runs: the items vLLM scheduled for the tower (`epd_encoder_batch_items`, both encoders).",
+        "Tower runs: the items vLLM scheduled for the tower (`epd_encoder_batch_items`, both encoders). "
+        "With the cache off, vLLM's own encoder cache in the encoder engine still serves a repeat while the output is resident. "
+        + ("Each arm's engines are warmed up first, on other bytes." if doc.get("warmed_up") else "No warm-up pass: the first arm also paid for warming the engines."),
         "",
         "| arm | requests | unique images | tower runs | cache hits | TTFT p50 / p99 ms | E2EL p50 / p99 ms | tokens equal monolithic | failed |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",

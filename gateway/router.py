@@ -5,13 +5,16 @@ yet heard from. Work that a cache on the instance can reuse (an item's encoder o
 prompt prefix's KV) is picked by key instead (:meth:`StagePool.pick_for_key`): consistent
 hashing with bounded load, so a key keeps going to the same instance, a hot key spills to the
 next instance on the ring rather than to a random one, and an instance that joins or leaves
-moves only its own share of the keys. Health: every instance's standard health service is watched (``Watch`` on the
-stage's readiness name), so an instance that drains, loses its engine or dies leaves the
-rotation at once, and one that comes back (restarted at the same address) rejoins by itself.
-A call that fails with UNAVAILABLE ejects its instance until a fresh health check says it
-serves: a kill -9 is seen on the first failed call, not after a probe period.
+moves only its own share of the keys.
 
-Channels are created once per address and reused.
+Health: every instance's standard health service is watched (``Watch`` on the stage's
+readiness name), so an instance that drains, loses its engine or dies leaves the rotation at
+once, and one that comes back (restarted at the same address) rejoins by itself. A call that
+fails with UNAVAILABLE ejects its instance until a fresh health check says it serves: a kill -9
+is seen on the first failed call, not after a probe period.
+
+Membership: instances are listed, or found behind DNS names (:class:`StagePool`). Channels are
+created once per instance and reused.
 """
 
 from __future__ import annotations
