@@ -57,6 +57,7 @@ class Hosts:
         self._names = names
         self._created: list[str] = []
         self.address: dict[str, str] = {}
+        self.device: dict[str, str] = {}  # each host's one network device (its veth)
 
     def namespace(self, name: str) -> str:
         return f"epd-{name}-{self._tag}"
@@ -83,7 +84,8 @@ class Hosts:
             for index, name in enumerate(self._names):
                 namespace = self.namespace(name)
                 self._add_namespace(namespace)
-                self._wire(f"h{index}-{self._tag}", namespace, f"{hosts[index]}/{subnet.prefixlen}")
+                self.device[name] = f"h{index}-{self._tag}"
+                self._wire(self.device[name], namespace, f"{hosts[index]}/{subnet.prefixlen}")
                 self.address[name] = str(hosts[index])
             # This process's namespace joins the switch last, on the subnet's last address.
             self._wire(f"t-{self._tag}", None, f"{hosts[-1]}/{subnet.prefixlen}")

@@ -64,8 +64,13 @@ async def test_epd_across_hosts_streams_the_monolithic_tokens_while_encoders_com
 
         def start(name: str, args: list[str]):
             host = hosts.address[name]
-            # UCX would otherwise use shared memory between processes of one machine.
-            return stack.start(name, [*args, "--host", host, "--metrics-port", "0"], env={"UCX_TLS": "tcp"}, host=host, wrapper=hosts.wrapper(name))
+            # UCX_TLS: UCX would otherwise use shared memory between processes of one machine.
+            # UCX_NET_DEVICES: set for the host's veth, because this test process may carry "lo"
+            # already (an in-process NIXL agent of an earlier test set it), which every service
+            # started from here would inherit: its UCX would then publish loopback addresses that
+            # no other host can reach ("Destination is unreachable").
+            env = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": hosts.device[name]}
+            return stack.start(name, [*args, "--host", host, "--metrics-port", "0"], env=env, host=host, wrapper=hosts.wrapper(name))
 
         def items_encoded(encoder) -> float:
             return scrape(encoder.metrics_port, host=encoder.host).get("epd_encoder_items_total", 0.0)
