@@ -122,22 +122,40 @@ async def test_encoder_batches_each_modality_across_requests_and_keeps_prompt_or
         data, mime = _clip(8, 8.0, seed)
         return multimodal_pb2.MediaItem(video=multimodal_pb2.Video(file=multimodal_pb2.Media(data=data, mime_type=mime)))
 
-    requests = [[image(40)], [image(41)], [image(46)], [image(47)], [video(42)], [video(43)], [image(44), video(45)]]
-    encoder = family_stack.encoder
-    before = scrape(encoder.metrics_port)
-    async with grpc.aio.insecure_channel(encoder.address) as channel:
-        stub = encoder_pb2_grpc.EncoderServiceStub(channel)
-        responses = await asyncio.gather(*(stub.Encode(encoder_pb2.EncodeRequest(items=items), timeout=60) for items in requests))
-        after = scrape(encoder.metrics_port)
-        await stub.ReleaseEmbeddings(encoder_pb2.ReleaseEmbeddingsRequest(lease_ids=[i.embedding.nixl.lease_id for r in responses for i in r.items]))
-
-    def grew(name, modality):
+    def grew(before, after, name, modality):
         key = f"{name}{{modality={modality}}}"
         return after[key] - before.get(key, 0.0)
 
-    assert (grew("epd_encoder_batch_items", "image"), grew("epd_encoder_batch_items", "video")) == (5, 3)
-    # Fewer steps than items: some steps encoded items of several requests together.
-    assert grew("epd_encoder_batches", "image") < 5
+    encoder = family_stack.encoder
+    # Whether requests meet in one engine step depends on when each reaches vLLM's queue (each is
+    # decoded and rendered first, on two loaded cores), so a burst of new items is tried up to
+    # three times; every burst must encode each item exactly once, in steps of one modality.
+    shared_step = False
+    async with grpc.aio.insecure_channel(encoder.address) as channel:
+        stub = encoder_pb2_grpc.EncoderServiceStub(channel)
+        for attempt in range(3):
+            seed = 900 + 10 * attempt  # seeds no other test of this stack sends: no cache hits
+            requests = [
+                [image(seed)],
+                [image(seed + 1)],
+                [image(seed + 6)],
+                [image(seed + 7)],
+                [video(seed + 2)],
+                [video(seed + 3)],
+                [image(seed + 4), video(seed + 5)],
+            ]
+            before = scrape(encoder.metrics_port)
+            responses = await asyncio.gather(*(stub.Encode(encoder_pb2.EncodeRequest(items=items), timeout=60) for items in requests))
+            after = scrape(encoder.metrics_port)
+            await stub.ReleaseEmbeddings(
+                encoder_pb2.ReleaseEmbeddingsRequest(lease_ids=[i.embedding.nixl.lease_id for r in responses for i in r.items])
+            )
+            assert (grew(before, after, "epd_encoder_batch_items", "image"), grew(before, after, "epd_encoder_batch_items", "video")) == (5, 3)
+            # Fewer steps than items: some step encoded items of several requests together.
+            if grew(before, after, "epd_encoder_batches", "image") < 5:
+                shared_step = True
+                break
+    assert shared_step, "no burst of five concurrent images shared an encoder step in three tries"
     mixed = responses[-1].items
     assert [i.metadata.modality for i in mixed] == [multimodal_pb2.MODALITY_IMAGE, multimodal_pb2.MODALITY_VIDEO]
     assert len(mixed[1].metadata.video_timestamps_s) == mixed[1].metadata.grid_thw.t
