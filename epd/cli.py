@@ -1,7 +1,8 @@
 """The ``epd`` command: one place that defines every flag and turns them into config objects.
 
-Subcommands: ``encoder``, ``prefill``, ``decode``, ``gateway`` (run one service), ``up`` (the
-whole stack on loopback), ``generate`` (a streaming client) and ``build-checkpoint``.
+Subcommands: ``encoder``, ``prefill``, ``decode``, ``gateway`` (run one service),
+``shared-cache`` (the encoder-output cache's shared tier), ``up`` (the whole stack on loopback),
+``generate`` (a streaming client) and ``build-checkpoint``.
 
 Service flags are derived from the config dataclasses (``EngineConfig``, ``EncoderConfig``,
 ``MediaLimits``, ``ServerConfig``, ``TlsConfig``): a flag's name, type and default are its field's.
@@ -22,9 +23,27 @@ DEFAULT_CHECKPOINT_ROOT = pathlib.Path("checkpoints")
 DEFAULT_FAMILY = "qwen2_5_vl"
 
 # Field groups per service. Flags are --field-name.
-_ENGINE_FIELDS = ("dtype", "max_model_len", "max_num_seqs", "kv_cache_gib", "max_images_per_prompt", "max_videos_per_prompt", "max_audios_per_prompt", "caches", "seed")
+_ENGINE_FIELDS = (
+    "dtype",
+    "max_model_len",
+    "max_num_seqs",
+    "kv_cache_gib",
+    "max_images_per_prompt",
+    "max_videos_per_prompt",
+    "max_audios_per_prompt",
+    "caches",
+    "seed",
+)
 _KV_FIELDS = ("nixl_side_channel_port", "kv_lease_s")
-_ARENA_FIELDS = ("embedding_transport", "embedding_buffer_bytes", "arena_slot_bytes", "lease_ttl_s", "encoder_cache_bytes")
+_ARENA_FIELDS = (
+    "embedding_transport",
+    "embedding_buffer_bytes",
+    "arena_slot_bytes",
+    "lease_ttl_s",
+    "encoder_cache_bytes",
+    "shared_cache_master",
+    "shared_cache_metadata",
+)
 _RECEIVE_FIELDS = ("embedding_buffer_bytes", "embedding_read_timeout_s")
 _SERVER_FIELDS = {"port": "port", "metrics_port": "metrics_port", "otlp_endpoint": "otlp_endpoint", "grace_s": "drain_grace_s"}
 _HELP = {
@@ -37,6 +56,10 @@ _HELP = {
     "arena_slot_bytes": "the arena's allocation unit",
     "lease_ttl_s": "how long a published embedding waits for its consumer",
     "encoder_cache_bytes": "arena bytes that published embeddings keep for reuse by later requests for the same item (LRU; 0: off)",
+    "shared_cache_master": "the shared tier of the encoder-output cache: a Mooncake master's host:port (as `epd shared-cache` announces it); empty: this encoder's arena only",
+    "shared_cache_metadata": "that tier's metadata server, http://host:port/metadata",
+    "segment_bytes": "memory the shared tier holds encoder outputs in (oldest evicted when full)",
+    "metadata_port": "the Mooncake master's HTTP metadata server; 0 picks a free one",
     "embedding_read_timeout_s": "limit on one encoder's NIXL metadata fetch or READ",
     "advertise_host": "host consumers dial for this encoder's NIXL metadata, written into every embedding location (a name its TLS certificate covers); default: --host",
     "queue_timeout_s": "how long an Encode may wait for arena space or the engine before RESOURCE_EXHAUSTED",
@@ -152,8 +175,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _flags(gw, _retry_policy_class(), ["max_attempts", "retry_backoff_s"])
     _flags(gw, _gateway_config_class(), ["max_prompt_bytes", "affinity_routing", *_HTTP_FIELDS])
-    gw.add_argument("--auth-token-file", default="", help="require 'authorization: Bearer <token>' (the file's content) on every gRPC call but health and reflection, and on every HTTP route")
+    gw.add_argument(
+        "--auth-token-file",
+        default="",
+        help="require 'authorization: Bearer <token>' (the file's content) on every gRPC call but health and reflection, and on every HTTP route",
+    )
     _media_limit_flags(gw)
+
+    shared = sub.add_parser("shared-cache", help="run the encoder-output cache's shared tier (a Mooncake Store master and the holder of its memory)")
+    _flags(shared, _shared_cache_config_class(), ["host", "port", "metadata_port", "metrics_port", "segment_bytes"])
+    shared.add_argument("--log-level", default="INFO")
 
     up = sub.add_parser("up", help="build the tiny checkpoint if needed and run the whole stack on loopback")
     up.add_argument("--model", default=None, help="checkpoint directory (default: the tiny built-in one)")
@@ -162,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--encoders", type=int, default=1)
     up.add_argument("--prefills", type=int, default=1)
     up.add_argument("--decodes", type=int, default=1)
+    up.add_argument("--shared-cache", action="store_true", help="also run the encoder-output cache's shared tier, and have every encoder use it")
     up.add_argument("--demo", action="store_true", help="send one request with media the model takes, print the stream, then stop")
     _flags(up, _gateway_config_class(), ["http_port"])
 
@@ -196,6 +228,12 @@ def _gateway_config_class():
     return GatewayConfig
 
 
+def _shared_cache_config_class():
+    from epd.shared_cache import SharedCacheConfig
+
+    return SharedCacheConfig
+
+
 def _retry_policy_class():
     from gateway.router import RetryPolicy
 
@@ -205,7 +243,9 @@ def _retry_policy_class():
 def _server_config(args):
     from epd.server import ServerConfig
 
-    return ServerConfig(host=args.host, tls=_tls_config(args, _SERVER_TLS_FIELDS), **{field: getattr(args, flag) for field, flag in _SERVER_FIELDS.items()})
+    return ServerConfig(
+        host=args.host, tls=_tls_config(args, _SERVER_TLS_FIELDS), **{field: getattr(args, flag) for field, flag in _SERVER_FIELDS.items()}
+    )
 
 
 def _tls_config(args, names: Sequence[str]):
@@ -241,7 +281,13 @@ def _run_service(args) -> None:
         from services.encoder.runner import EncoderConfig
         from services.encoder.server import serve
 
-        asyncio.run(serve(_engine_config(args, _ARENA_FIELDS), EncoderConfig(limits=_media_limits(args), queue_timeout_s=args.queue_timeout_s, advertise_host=args.advertise_host), server))
+        asyncio.run(
+            serve(
+                _engine_config(args, _ARENA_FIELDS),
+                EncoderConfig(limits=_media_limits(args), queue_timeout_s=args.queue_timeout_s, advertise_host=args.advertise_host),
+                server,
+            )
+        )
     elif args.command == "prefill":
         from services.prefill.server import serve
 
@@ -278,6 +324,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("encoder", "prefill", "decode", "gateway"):
         _run_service(args)
         return 0
+    if args.command == "shared-cache":
+        from epd.launcher import exit_with_launcher
+        from epd.server import configure_logging
+        from epd.shared_cache import serve
+
+        configure_logging(args.log_level)
+        exit_with_launcher()
+        return serve(_shared_cache_config_class()(**_values(args, ["host", "port", "metadata_port", "metrics_port", "segment_bytes"])))
     if args.command == "build-checkpoint":
         from epd.checkpoints import build_tiny_checkpoint
 

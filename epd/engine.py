@@ -78,6 +78,8 @@ class EngineConfig:
     arena_slot_bytes: int = 64 * 1024
     lease_ttl_s: float = 60.0
     encoder_cache_bytes: int = 32 * 1024 * 1024  # encoder: arena bytes published outputs keep for reuse
+    shared_cache_master: str = ""  # encoder: the shared tier's Mooncake master (host:port); empty: none
+    shared_cache_metadata: str = ""  # encoder: that tier's metadata server (http://host:port/metadata)
     # The service's own TLS files: the consumer fetches encoders' NIXL metadata over gRPC with them.
     tls: TlsConfig = TlsConfig()
     nixl_listen_host: str = "127.0.0.1"  # the host whose network device the encoder's NIXL agent (UCX) listens on
@@ -294,7 +296,11 @@ class Engine:
                     ec_transfer_params=output.ec_transfer_params if finished else None,
                 )
         except VLLMClientError as exc:
-            field = f"sampling.{exc.parameter}" if getattr(exc, "parameter", None) in {"temperature", "top_p", "top_k", "max_tokens", "min_tokens", "seed", "stop"} else "messages"
+            field = (
+                f"sampling.{exc.parameter}"
+                if getattr(exc, "parameter", None) in {"temperature", "top_p", "top_k", "max_tokens", "min_tokens", "seed", "stop"}
+                else "messages"
+            )
             raise InvalidArgument.for_field(field, str(exc)) from exc
         finally:
             if not finished:
@@ -334,6 +340,8 @@ class Engine:
             slot_bytes=config.arena_slot_bytes,
             lease_ttl_s=config.lease_ttl_s,
             cache_bytes=config.encoder_cache_bytes if config.caches else 0,
+            shared_cache_master=config.shared_cache_master if config.caches else "",
+            shared_cache_metadata=config.shared_cache_metadata,
             listen_host=config.nixl_listen_host,
             read_timeout_s=config.embedding_read_timeout_s,
             tls_ca_file=config.tls.tls_ca,
@@ -422,4 +430,3 @@ def _configure_vllm_environment(config: EngineConfig) -> None:
         restrict_ucx_devices(config.nixl_side_channel_host)
         os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = config.nixl_side_channel_host
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(config.nixl_side_channel_port or free_port(config.nixl_side_channel_host))
-

@@ -29,7 +29,16 @@ logger = logging.getLogger(__name__)
 class ServiceProcess:
     """One service subprocess and what it has announced."""
 
-    def __init__(self, name: str, args: list[str], *, log_dir: pathlib.Path, env: dict[str, str] | None = None, host: str = "127.0.0.1", wrapper: list[str] | None = None):
+    def __init__(
+        self,
+        name: str,
+        args: list[str],
+        *,
+        log_dir: pathlib.Path,
+        env: dict[str, str] | None = None,
+        host: str = "127.0.0.1",
+        wrapper: list[str] | None = None,
+    ):
         """``host``: where peers reach it (its ``--host``); ``wrapper``: a command that runs it,
         say ``ip netns exec NAME`` (it must exec the service, so the PID stays the service's)."""
         self.name = name
@@ -39,6 +48,7 @@ class ServiceProcess:
         self.port: int | None = None
         self.metrics_port: int | None = None
         self.http_port: int | None = None  # a gateway's OpenAI-compatible front, when it has one
+        self.announced: dict = {}  # the whole EPD_LISTENING line (the shared cache's metadata_port)
         self.ready = threading.Event()
         self.process = subprocess.Popen(
             [*(wrapper or []), sys.executable, "-m", "epd.cli", *args],
@@ -60,6 +70,7 @@ class ServiceProcess:
             if line.startswith("EPD_LISTENING "):
                 info = json.loads(line.split(" ", 1)[1])
                 self.port, self.metrics_port, self.http_port = info["port"], info["metrics_port"], info.get("http_port")
+                self.announced = info
             elif line.startswith("EPD_READY "):
                 self.ready.set()
 
@@ -168,18 +179,32 @@ def gateway_args(model: str, mode: str, *, encoders=(), prefills=(), decodes=(),
     return [*args, *extra]
 
 
+def start_shared_cache(stack: Stack, host: str = "127.0.0.1") -> list[str]:
+    """Starts the encoder-output cache's shared tier; returns the encoder flags that join it."""
+    tier = stack.start("shared-cache", ["shared-cache", "--host", host], host=host)
+    stack.wait_ready([tier])
+    return shared_cache_flags(tier)
+
+
+def shared_cache_flags(tier: ServiceProcess) -> list[str]:
+    """``epd encoder`` flags for the shared tier ``tier`` runs."""
+    return ["--shared-cache-master", tier.address, "--shared-cache-metadata", f"http://{tier.host}:{tier.announced['metadata_port']}/metadata"]
+
+
 def start_disaggregated(
-    stack: Stack, model: str, mode: str, *, encoders: int = 1, prefills: int = 1, decodes: int = 1, gateway_extra=()
+    stack: Stack, model: str, mode: str, *, encoders: int = 1, prefills: int = 1, decodes: int = 1, gateway_extra=(), encoder_extra=()
 ) -> ServiceProcess:
-    """Starts encoders, prefills (E/P/D only), decodes and a gateway (with ``gateway_extra``
-    arguments); returns the gateway."""
+    """Starts encoders (with ``encoder_extra`` arguments), prefills (E/P/D only), decodes and a
+    gateway (with ``gateway_extra``); returns the gateway."""
     model_flag = ["--model", model]
-    stage = [stack.start(f"encoder{i}", ["encoder", *model_flag]) for i in range(encoders)]
+    stage = [stack.start(f"encoder{i}", ["encoder", *model_flag, *encoder_extra]) for i in range(encoders)]
     pre = [stack.start(f"prefill{i}", ["prefill", *model_flag]) for i in range(prefills if mode == "epd" else 0)]
     dec_mode = "decode" if mode == "epd" else "combined"
     dec = [stack.start(f"decode{i}", ["decode", *model_flag, "--mode", dec_mode]) for i in range(decodes)]
     stack.wait_ready(stage + pre + dec)
-    args = gateway_args(model, mode, encoders=[s.address for s in stage], prefills=[s.address for s in pre], decodes=[s.address for s in dec], extra=gateway_extra)
+    args = gateway_args(
+        model, mode, encoders=[s.address for s in stage], prefills=[s.address for s in pre], decodes=[s.address for s in dec], extra=gateway_extra
+    )
     gateway = stack.start(f"gateway-{mode}", args)
     stack.wait_ready([gateway])
     return gateway
@@ -207,7 +232,17 @@ def up_cli(args) -> int:
         if args.mode == "monolithic":
             gateway = start_monolithic(stack, model, extra=http)
         else:
-            gateway = start_disaggregated(stack, model, args.mode, encoders=args.encoders, prefills=args.prefills, decodes=args.decodes, gateway_extra=http)
+            shared = start_shared_cache(stack) if args.shared_cache else []
+            gateway = start_disaggregated(
+                stack,
+                model,
+                args.mode,
+                encoders=args.encoders,
+                prefills=args.prefills,
+                decodes=args.decodes,
+                gateway_extra=http,
+                encoder_extra=shared,
+            )
         for service in stack.services:
             print(f"[epd up] {service.name:<20} {service.address}", flush=True)
         if gateway.http_port is not None:

@@ -292,5 +292,5 @@ def _bind_engine_gauges(engine) -> None:
             telemetry.ENCODER_BATCHES.labels(modality=modality).set_function(read)
         elif kind == "batch_items":
             telemetry.ENCODER_BATCH_ITEMS.labels(modality=modality).set_function(read)
-        elif kind == "bytes":
+        elif kind == "bytes" and modality in ("nixl", "inline"):  # not the arena's slot_bytes / element_bytes sizes
             telemetry.EMBEDDING_BYTES_LOADED.labels(transport=modality).set_function(read)

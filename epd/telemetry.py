@@ -35,7 +35,9 @@ TPOT_SECONDS = Histogram("epd_tpot_seconds", "Mean time per output token after t
 ITL_SECONDS = Histogram("epd_itl_seconds", "Inter-token latency between streamed deltas", buckets=_LATENCY_BUCKETS)
 E2EL_SECONDS = Histogram("epd_e2el_seconds", "End-to-end request latency, seen by the gateway", buckets=_LATENCY_BUCKETS)
 IN_FLIGHT = Gauge("epd_requests_in_flight", "Requests being served", ["service"])
-STAGE_INSTANCE_UP = Gauge("epd_stage_instance_up", "1 while the gateway routes to a stage instance, 0 while it is down or ejected", ["stage", "address"])
+STAGE_INSTANCE_UP = Gauge(
+    "epd_stage_instance_up", "1 while the gateway routes to a stage instance, 0 while it is down or ejected", ["stage", "address"]
+)
 STAGE_EJECTIONS = Counter("epd_stage_ejections_total", "Stage instances taken out of the gateway's rotation after a failed call", ["stage"])
 RETRIES = Counter("epd_gateway_retries_total", "Requests retried on other instances after a stage failed before the first token", ["stage"])
 ENCODER_ITEMS = Counter("epd_encoder_items_total", "Media items encoded, by modality", ["modality"])
@@ -55,14 +57,16 @@ EMBEDDING_BYTES_LOADED = Gauge("epd_embedding_bytes_loaded", "Embedding bytes lo
 
 
 _ENCODER_CACHE_COUNTERS = {
-    "cache_hits": "Items whose encoder output the arena already held (published, or being written): the tower did not run for them",
-    "cache_misses": "Items that needed a new arena fill (and a tower run)",
+    "cache_hits": "Items whose encoder output the arena already held (published, or being written) or the shared tier had: the tower did not run for them",
+    "cache_misses": "Items that needed a tower run",
     "cache_evictions": "Cached encoder outputs dropped for room or over --encoder-cache-bytes",
+    "cache_shared_hits": "Hits served from the shared tier (another encoder's output, read into this arena)",
+    "cache_shared_puts": "Encoder outputs of this encoder the shared tier took",
 }
 
 
 class EncoderCacheCollector:
-    """``epd_encoder_cache_{hits,misses,evictions}_total``, read at scrape time from the arena's
+    """``epd_encoder_cache_{hits,misses,evictions,shared_hits,shared_puts}_total``, read at scrape time from the arena's
     shared counters (the engine process counts them; a Counter cannot be set from outside)."""
 
     def __init__(self, read: dict[str, Callable[[], int]]) -> None:

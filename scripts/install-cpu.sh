@@ -11,7 +11,8 @@
 #      vLLM's bf16 CPU attention dies with SIGILL in KV-consumer engines (epd/compat/amx_cpu.py);
 #   4. NIXL with UCX bundled (nixl-cu12 works without a GPU) and the `nixl` meta package
 #      without deps, because vLLM imports `nixl` and a plain install would add nixl-cu13;
-#   5. this project (editable) with its dev extras, then the generated protobuf stubs.
+#   5. this project (editable) with its dev and shared-cache extras (Mooncake Store, plus the
+#      libibverbs1 it links), then the generated protobuf stubs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${EPD_VENV:-.venv}"
@@ -34,8 +35,14 @@ if [ ! -f "$STAMP" ]; then
   touch "$STAMP"
 fi
 
-echo "[install] epd (editable) + dev tools"
-"${PIP[@]}" -e ".[dev]"
+echo "[install] epd (editable) + dev tools + the shared encoder cache (Mooncake Store)"
+"${PIP[@]}" -e ".[dev,shared-cache]"
+if ! ldconfig -p | grep -q libibverbs.so.1; then
+  # Mooncake's binaries link it even for TCP (Debian's libibverbs1).
+  SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends libibverbs1 >/dev/null
+fi
 site=$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 rm -f "$site/epd_torchvision_cpu.pth"  # the hook's name before it also handled AMX
 echo "import epd.compat.torchvision_cpu as t, epd.compat.amx_cpu as a; t.install(); a.request_tile_permission()" > "$site/epd_cpu_compat.pth"

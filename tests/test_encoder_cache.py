@@ -1,6 +1,6 @@
 """The encoder-output cache (issue 10, item 1): an item sent again, in a later request or in
-concurrent ones, is encoded once; the arena serves the repeats, and the tokens stay those of
-monolithic vLLM.
+concurrent ones, is encoded once; the arena serves the repeats, or, once its encoder is gone,
+the shared tier does, and the tokens stay those of monolithic vLLM.
 
 The proof that the tower did not run is vLLM's own scheduling: ``epd_encoder_batch_items``
 counts the items the encoder engine scheduled for its tower.
@@ -13,7 +13,7 @@ import asyncio
 from epd.client import chat_request, generate
 from epd.telemetry import scrape
 from epd.testing import synthetic_image_png
-from tests.helpers import wait_for_metric
+from tests.helpers import gateway_stub, wait_for_metric
 
 _TOWER_RUNS = "epd_encoder_batch_items{modality=image}"
 _HITS = "epd_encoder_cache_hits_total"
@@ -54,3 +54,52 @@ async def test_concurrent_requests_for_a_new_item_run_the_tower_once(family_stac
     assert [r.token_ids for r in results] == oracle
     assert _grown(before, scrape(encoder.metrics_port)) == (1, 2, 1)
     assert await wait_for_metric(encoder.metrics_port, "epd_arena_leases", 0.0) == 0.0
+
+
+_SHARED_HITS = "epd_encoder_cache_shared_hits_total"
+_SHARED_PUTS = "epd_encoder_cache_shared_puts_total"
+
+
+async def test_an_item_whose_encoder_died_is_served_from_the_shared_tier_without_a_tower_run(family_stack):
+    """The shared tier (issue 10, item 2): two encoders on one Mooncake Store node. The encoder
+    that ran the tower for an item is killed; the next request for that item goes to the other
+    encoder, which reads the output from the tier instead of encoding it, and the tokens stay
+    those of monolithic vLLM."""
+    from epd.launcher import gateway_args, shared_cache_flags
+
+    s = family_stack
+    first, follow_up = _request(7303, "What is this?"), _request(7303, "And its colours?")
+    oracle = [(await generate(s.gateway_stub("monolithic"), r, timeout=120)).token_ids for r in (first, follow_up)]
+
+    started = []
+
+    def start(name, args):
+        started.append(s.stack.start(name, args))
+        return started[-1]
+
+    try:
+        tier = start("shared-cache", ["shared-cache"])
+        await asyncio.to_thread(s.stack.wait_ready, [tier])
+        encoders = [start(f"shared-encoder{i}", ["encoder", "--model", s.model, "--metrics-port", "0", *shared_cache_flags(tier)]) for i in range(2)]
+        await asyncio.to_thread(s.stack.wait_ready, encoders, 600)
+        gateway = start("gateway-shared", gateway_args(s.model, "epd-combined", encoders=[e.address for e in encoders], decodes=[s.combined.address]))
+        await asyncio.to_thread(s.stack.wait_ready, [gateway])
+        stub = gateway_stub(gateway.address)
+
+        assert (await generate(stub, first, timeout=120)).token_ids == oracle[0]
+        ran = [scrape(e.metrics_port).get(_TOWER_RUNS, 0.0) for e in encoders]
+        assert sorted(ran) == [0.0, 1.0]
+        owner, other = (encoders[0], encoders[1]) if ran[0] else (encoders[1], encoders[0])
+        assert await wait_for_metric(owner.metrics_port, _SHARED_PUTS, 1.0) == 1.0
+
+        owner.kill()  # the whole instance, engine included: its arena is gone
+        before = scrape(other.metrics_port)
+        assert (await generate(stub, follow_up, timeout=120)).token_ids == oracle[1]
+        after = scrape(other.metrics_port)
+        assert (after[_TOWER_RUNS] - before.get(_TOWER_RUNS, 0.0), after[_SHARED_HITS] - before.get(_SHARED_HITS, 0.0)) == (0, 1)
+        assert after[_SHARED_PUTS] == before.get(_SHARED_PUTS, 0.0)  # a shared hit is not put back
+        assert await wait_for_metric(other.metrics_port, "epd_arena_leases", 0.0) == 0.0
+    finally:
+        for service in reversed(started):
+            await asyncio.to_thread(service.stop)
+            s.stack.services.remove(service)

@@ -207,7 +207,7 @@ def test_a_forged_lease_id_frees_nothing(producer, reader, releaser):
     near = victim.lease_id[:-1] + ("0" if victim.lease_id[-1] != "0" else "1")
     # Through ReleaseEmbeddings (the encoder's releaser): ids of no lease, malformed ones.
     assert releaser.release([near, uuid.uuid4().hex, "not-a-lease", victim.lease_id[:16]]) == 2
-    # Through a consumer's release of a location whose lease id was swapped: its tag fails.
+    # Through a consumer's release of a location whose lease id was swapped: that id names no lease.
     reader.release(dataclasses.replace(victim, lease_id=near))
     reader.poll()
     time.sleep(0.3)

@@ -1,8 +1,9 @@
 """The producer side of tests/test_transport.py, in a module of its own: the child process
 imports only this (no vLLM), so it starts in seconds.
 
-Like an encoder, it serves its NIXL credentials over gRPC (``EncoderService.GetTransferMetadata``,
-the only method it implements) and opens no NIXL listener.
+Like an encoder, it serves its NIXL credentials over gRPC (``EncoderService.GetTransferMetadata``)
+and ends leases by ``ReleaseEmbeddings`` (through a :class:`LeaseReleaser`, as the encoder
+service does), and opens no NIXL listener.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 
 from epd.domain import NixlLocation
 from epd.transport.arena import EmbeddingArena, SharedCounters
-from epd.transport.nixl import NixlPublisher, TransferCredentials
+from epd.transport.nixl import LeaseReleaser, NixlPublisher, TransferCredentials
 from epd.transport.shared_buffer import SharedBuffer
 from epd.transport.slot_header import HEADER_BYTES, SlotHeader, SlotStatus, slot_bytes
 from epd.v1 import encoder_pb2, encoder_pb2_grpc
@@ -37,10 +38,15 @@ def make_rows(seed: int, rows: int, width: int, dtype: str = "float32") -> torch
 class _TransferMetadata(encoder_pb2_grpc.EncoderServiceServicer):
     def __init__(self, credentials: TransferCredentials) -> None:
         self._credentials = credentials
+        self._releaser = LeaseReleaser(f"{credentials.agent_name}-release", credentials, bind_host="127.0.0.1")
 
     def GetTransferMetadata(self, request, context):
         c = self._credentials
         return encoder_pb2.GetTransferMetadataResponse(agent_name=c.agent_name, agent_metadata=c.agent_metadata, location_key=c.location_key)
+
+    def ReleaseEmbeddings(self, request, context):
+        self._releaser.release(list(request.lease_ids))
+        return encoder_pb2.ReleaseEmbeddingsResponse()
 
 
 class _Producer:

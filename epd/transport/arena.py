@@ -80,7 +80,8 @@ class SharedCounters:
 # <modality>_batches / _batch_items: engine steps that encoded items of the modality, and the
 # items they encoded (cumulative). cache_hits / cache_misses: items served from a fill already
 # there (or being written) / that needed a new one; cache_evictions: cached fills dropped;
-# cache_bytes: the arena bytes that published fills kept for reuse hold, leased or not.
+# cache_bytes: the arena bytes that published fills kept for reuse hold, leased or not;
+# cache_shared_hits / cache_shared_puts: misses served from the shared tier / outputs it took.
 MODALITIES = ("image", "video", "audio")
 ARENA_COUNTERS = (
     "leases",
@@ -94,6 +95,8 @@ ARENA_COUNTERS = (
     "cache_misses",
     "cache_evictions",
     "cache_bytes",
+    "cache_shared_hits",
+    "cache_shared_puts",
     *(f"{m}_width" for m in MODALITIES),
     *(f"{m}_{kind}" for m in MODALITIES for kind in ("batches", "batch_items")),
 )
@@ -111,7 +114,9 @@ class EmbeddingArena:
         """
         data_bytes = buffer.numel() - SharedCounters.BYTES
         if slot_bytes <= 0 or data_bytes < slot_bytes or lease_ttl_s <= 0 or cache_bytes < 0:
-            raise ValueError(f"an arena of {data_bytes} bytes cannot hold {slot_bytes}-byte slots with a TTL of {lease_ttl_s} s and a {cache_bytes}-byte cache")
+            raise ValueError(
+                f"an arena of {data_bytes} bytes cannot hold {slot_bytes}-byte slots with a TTL of {lease_ttl_s} s and a {cache_bytes}-byte cache"
+            )
         self.buffer = buffer
         self.slot_bytes = slot_bytes
         self._ttl_s = lease_ttl_s
@@ -190,14 +195,16 @@ class EmbeddingArena:
             fill = self._leases.get(lease_id)
             if fill is not None:
                 self._deadlines[lease_id] = time.monotonic() + self._ttl_s
-                if not fill.published:
-                    fill.published = True
-                    if fill.key is not None:
-                        fill.cached_bytes = fill.num_slots * self.slot_bytes
-                        self._cached_bytes += fill.cached_bytes
-                        self._trim()
-                    self._publish_counts()
+                self._mark_written(fill)
         return expires_at
+
+    def mark_written(self, lease_id: str) -> None:
+        """Marks a lease's fill written without starting the lease's TTL: its rows came from
+        elsewhere (the shared tier) before the request holding it ran."""
+        with self._lock:
+            fill = self._leases.get(lease_id)
+            if fill is not None:
+                self._mark_written(fill)
 
     def discard(self, lease_id: str) -> None:
         """Ends a lease whose fill was not written: nobody shares or keeps that fill."""
@@ -224,6 +231,15 @@ class EmbeddingArena:
                     break
                 ended += self._end(lease_id)
         return ended
+
+    def _mark_written(self, fill: _Fill) -> None:
+        if not fill.published:
+            fill.published = True
+            if fill.key is not None:
+                fill.cached_bytes = fill.num_slots * self.slot_bytes
+                self._cached_bytes += fill.cached_bytes
+                self._trim()
+            self._publish_counts()
 
     def _lease(self, fill: _Fill) -> Lease:
         lease_id = secrets.token_hex(LEASE_ID_BYTES)

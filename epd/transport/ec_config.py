@@ -21,6 +21,10 @@ class ConnectorConfig:
     slot_bytes: int = 64 * 1024  # producer arena slot
     lease_ttl_s: float = 60.0  # how long a published item waits for its consumer
     cache_bytes: int = 32 * 1024 * 1024  # producer: arena bytes kept as an encoder-output cache (0: off)
+    # Producer: the shared tier of the encoder-output cache (a Mooncake master's host:port and
+    # its metadata server's URL); empty: this encoder's arena only.
+    shared_cache_master: str = ""
+    shared_cache_metadata: str = ""
     listen_host: str = "127.0.0.1"  # the service's host: NIXL's UCX endpoints listen only there
     read_timeout_s: float = 10.0  # consumer: limit on one encoder's GetTransferMetadata or READ
     # Consumer: TLS for GetTransferMetadata calls to encoders (PEM file paths; all empty is

@@ -16,6 +16,10 @@ tower does not run. Its rows are then copied from the arena into the worker's en
 records the item as cached from then on, and a later request whose fill was evicted in between
 finds its output there, as it would after a tower run.
 
+With a shared tier (:mod:`epd.transport.shared_tier`), an item the arena does not hold is looked
+up there before its fill is reserved for the tower, and every output the tower writes is put
+there once published: an encoder serves items that another encoder encoded.
+
 A request waits in vLLM's queue while the arena has no room for it (backpressure, like a full
 KV cache); a background thread ends leases as consumers' READ notifications arrive and as
 TTLs pass.
@@ -40,6 +44,8 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
+
+    from epd.transport.shared_tier import SharedTier
 
 
 logger = logging.getLogger(__name__)
@@ -77,7 +83,7 @@ class _Reservation:
     lease: Lease
     rows: int
     width: int
-    cached: bool  # leased on a fill the arena already held (published, or being written)
+    cached: bool  # leased on a fill the arena already held (published, or being written), or filled from the shared tier
 
 
 class ProducerScheduler:
@@ -89,8 +95,11 @@ class ProducerScheduler:
         self._dtype = dtype_name(vllm_config.model_config.dtype)
         self._resolver = PlaceholderMetadataResolver(vllm_config.model_config)
         self._buffer = SharedBuffer.create(config.buffer_name("arena"), config.buffer_bytes)
-        self._arena = EmbeddingArena(self._buffer.tensor, slot_bytes=config.slot_bytes, lease_ttl_s=config.lease_ttl_s, cache_bytes=config.cache_bytes)
+        self._arena = EmbeddingArena(
+            self._buffer.tensor, slot_bytes=config.slot_bytes, lease_ttl_s=config.lease_ttl_s, cache_bytes=config.cache_bytes
+        )
         self._publisher = _publisher(config, self._buffer.tensor)
+        self._shared = _shared_tier(vllm_config, config, self._buffer.tensor, self._dtype, self._arena.counters)
         # The encoder service beside this engine hands these out over gRPC (GetTransferMetadata).
         credentials = self._publisher.credentials
         self._credentials = credentials.save(config.buffer_name("transfer")) if credentials is not None else None
@@ -143,7 +152,9 @@ class ProducerScheduler:
                     for reservation in reservations.values():
                         self._arena.release(reservation.lease.lease_id)
                     return False
-                SlotHeader(SlotStatus.PENDING, self._dtype, lease.generation, rows, width).pack_into(self._buffer.tensor, lease.offset)
+                cached = self._fill_from_shared_tier(key, lease, rows, width)
+                if not cached:
+                    SlotHeader(SlotStatus.PENDING, self._dtype, lease.generation, rows, width).pack_into(self._buffer.tensor, lease.offset)
             reservations[key] = _Reservation(feature.modality, lease, rows, width, cached)
         hits = sum(r.cached for r in reservations.values())
         counters = self._arena.counters
@@ -204,6 +215,8 @@ class ProducerScheduler:
     def close(self) -> None:
         self._stop.set()
         self._reaper.join(timeout=1)
+        if self._shared is not None:
+            self._shared.close()
         self._publisher.close()
         if self._credentials is not None:
             self._credentials.close()
@@ -254,7 +267,36 @@ class ProducerScheduler:
         if header.status is not SlotStatus.READY or header.generation != lease.generation:
             self._arena.discard(lease.lease_id)
             return dataclasses.replace(item, error=f"the encoder output of item {index} was not written ({header.status.name})")
-        return dataclasses.replace(item, location=self._publisher.location(lease, self._arena.publish(lease.lease_id)))
+        location = self._publisher.location(lease, self._arena.publish(lease.lease_id))
+        if self._shared is not None and not reservation.cached:
+            self._share(feature.identifier, lease)
+        return dataclasses.replace(item, location=location)
+
+    def _fill_from_shared_tier(self, key: str, lease: Lease, rows: int, width: int) -> bool:
+        """Whether the shared tier had the item's output: then it is in the new fill, marked
+        written (vLLM takes it as cached and skips the tower), under this fill's generation."""
+        if self._shared is None or not self._shared.get_into(key, lease.offset, lease.nbytes):
+            return False
+        try:
+            header = SlotHeader.unpack_from(self._buffer.tensor, lease.offset)
+        except ValueError:
+            header = None
+        if header is None or (header.status, header.dtype, header.rows, header.width) != (SlotStatus.READY, self._dtype, rows, width):
+            logger.warning("EPD EC producer: the shared encoder cache's output for %s is not the item's shape (%s); encoding it", key, header)
+            return False
+        dataclasses.replace(header, generation=lease.generation).pack_into(self._buffer.tensor, lease.offset)
+        self._arena.mark_written(lease.lease_id)
+        counters = self._arena.counters
+        counters.set("cache_shared_hits", counters.get("cache_shared_hits") + 1)
+        return True
+
+    def _share(self, key: str, lease: Lease) -> None:
+        """Offers a fill the tower just wrote to the shared tier, pinned by a lease of its own
+        until the bytes are out (the request's lease ends as soon as its consumer reads)."""
+        pin = self._arena.share(key)
+        if pin is None:
+            return  # not kept under its key (the local cache is off): nothing to share from
+        self._shared.offer(key, pin.offset, pin.nbytes, lambda: self._arena.release(pin.lease_id))
 
     def _declared_fields(self, feature) -> dict:
         """The per-item fields the model declares as placeholder metadata for the modality."""
@@ -276,6 +318,23 @@ class ProducerScheduler:
                 self._arena.expire()
             except Exception:
                 logger.exception("EPD EC producer: reaping leases failed")
+
+
+def _shared_tier(vllm_config: VllmConfig, config: ConnectorConfig, buffer, dtype: str, counters) -> SharedTier | None:
+    if not config.shared_cache_master:
+        return None
+    if config.cache_bytes <= 0:
+        raise ValueError("the shared encoder cache needs the local one: --shared-cache-master with --encoder-cache-bytes 0 (or --no-caches)")
+    from epd.transport.shared_tier import SharedTier, SharedTierConfig, namespace_for
+
+    model = vllm_config.model_config
+    tier = SharedTierConfig(config.shared_cache_master, config.shared_cache_metadata, config.listen_host)
+    return SharedTier(
+        tier,
+        buffer,
+        namespace_for(model.model, model.revision, dtype),
+        lambda: counters.set("cache_shared_puts", counters.get("cache_shared_puts") + 1),
+    )
 
 
 def _publisher(config: ConnectorConfig, buffer) -> Publisher:

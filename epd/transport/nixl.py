@@ -192,7 +192,6 @@ class _Producer:
     incoming: TransferCredentials | None = None  # fetched; loaded once no READ from the old agent runs
     reload: bool = False  # a READ failed: load the metadata afresh even if it did not change
     pending: list[_Pending] = dataclasses.field(default_factory=list)
-    releases: list[NixlLocation] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -243,7 +242,7 @@ class NixlReader:
     @property
     def busy(self) -> bool:
         """Whether any read or release is in progress, or ended and not yet reported."""
-        return bool(self._transfers or self._finished) or any(p.pending or p.releases for p in self._producers.values())
+        return bool(self._transfers or self._finished) or any(p.pending for p in self._producers.values())
 
     def submit(self, reads: Sequence[Read]) -> None:
         for read in reads:
@@ -254,10 +253,18 @@ class NixlReader:
                 producer.pending.append(_Pending(read, producer.epoch + 1 if producer.reload else 1))
 
     def release(self, location: NixlLocation) -> None:
-        """Ends a lease without reading it (its item is already here)."""
+        """Ends a lease without reading it (its item is already here), by the encoder's
+        ReleaseEmbeddings call, in the background. Not by a NIXL notification: to an encoder
+        this agent has not talked to yet, that waits on a connection only polling would set
+        up, and nothing polls once no READ is left."""
+        from epd.v1 import encoder_pb2, encoder_pb2_grpc
+
         producer = self._producer(location.encoder_address)
-        if producer is not None:
-            producer.releases.append(location)
+        if producer is None:
+            return
+        stub = encoder_pb2_grpc.EncoderServiceStub(producer.channel)
+        call = stub.ReleaseEmbeddings.future(encoder_pb2.ReleaseEmbeddingsRequest(lease_ids=[location.lease_id]), timeout=self._timeout_s)
+        call.add_done_callback(lambda done: _log_release_failure(done, location))
 
     def poll(self) -> list[tuple[Hashable, str | None]]:
         """Progresses everything once; returns (key, error or None) for reads that ended."""
@@ -301,15 +308,13 @@ class NixlReader:
                 return  # unreachable and unknown: dropped
         if producer.incoming is not None:
             self._load_incoming(producer)
-        wanted = max((p.needs_epoch for p in producer.pending), default=1 if producer.releases else 0)
+        wanted = max((p.needs_epoch for p in producer.pending), default=0)
         if producer.reload and wanted:
             wanted = producer.epoch + 1
         if wanted > producer.epoch and producer.fetch is None and producer.incoming is None:
             self._start_fetch(producer)
         if producer.credentials is None or producer.incoming is not None:
             return
-        if producer.releases:
-            self._send_releases(producer)
         ready = [p for p in producer.pending if p.needs_epoch <= producer.epoch]
         if not ready:
             return
@@ -384,18 +389,6 @@ class NixlReader:
     def _verifies(self, location: NixlLocation, credentials: TransferCredentials) -> bool:
         return location.agent_name == credentials.agent_name and tag_matches(location, credentials.location_key)
 
-    def _send_releases(self, producer: _Producer) -> None:
-        credentials = producer.credentials
-        lease_ids = [loc.lease_id for loc in producer.releases if self._verifies(loc, credentials)]
-        if len(lease_ids) < len(producer.releases):
-            logger.warning("dropped %d releases for %s whose locations do not verify", len(producer.releases) - len(lease_ids), producer.address)
-        producer.releases.clear()
-        if lease_ids:
-            try:
-                self._agent.notify(credentials.agent_name, _LEASE_SEPARATOR.join(lease_ids).encode())
-            except TransferError as exc:
-                logger.warning("could not release %d leases on %r (they expire by TTL): %s", len(lease_ids), credentials.agent_name, exc)
-
     def _post(self, producer: _Producer, reads: list[Read], now: float) -> None:
         agent = producer.credentials.agent_name
         cutoff_ms = time.time_ns() // 1_000_000 + self._expiry_margin_ms
@@ -404,7 +397,9 @@ class NixlReader:
         posted: list[Read] = []
         for read in reads:
             if read.location.expires_at_unix_ms <= cutoff_ms:
-                self._finished.append((read.key, f"lease {read.location.lease_id} from {agent!r} expired or expires within {self._expiry_margin_ms} ms"))
+                self._finished.append(
+                    (read.key, f"lease {read.location.lease_id} from {agent!r} expired or expires within {self._expiry_margin_ms} ms")
+                )
                 continue
             try:
                 rows = decode_descriptors(read.location.descriptors)
@@ -470,9 +465,6 @@ class NixlReader:
         waiting = [p for p in producer.pending if p.needs_epoch > producer.epoch or producer.credentials is None]
         producer.pending = [p for p in producer.pending if p not in waiting]
         self._finished += [(p.read.key, reason) for p in waiting]
-        if producer.releases and producer.credentials is None:
-            logger.warning("could not release %d leases on %s (they expire by TTL): %s", len(producer.releases), producer.address, reason)
-            producer.releases.clear()
 
     def _forget_agent(self, name: str) -> None:
         self._loaded.pop(name, None)
@@ -480,6 +472,12 @@ class NixlReader:
             self._agent.forget_peer(name)
         except Exception:  # already gone on NIXL's side
             logger.debug("NIXL had no metadata left for agent %r", name, exc_info=True)
+
+
+def _log_release_failure(call: grpc.Future, location: NixlLocation) -> None:
+    if call.cancelled() or call.exception() is not None:
+        error = "cancelled" if call.cancelled() else f"{call.exception().code().name} {call.exception().details()}"
+        logger.warning("could not release lease %s on the encoder at %s (it expires by TTL): %s", location.lease_id, location.encoder_address, error)
 
 
 def _refusal(location: NixlLocation, producer: _Producer) -> str:
