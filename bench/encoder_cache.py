@@ -1,20 +1,22 @@
 """Encoder-output reuse: a workload where about half the items repeat, as in multi-turn chats.
 
 Every unique image is asked about twice, by two requests with different questions; the repeat
-comes a few requests later, as the next turn of a chat would. One E/P/D deployment of the tiny
-Qwen2.5-VL: a pair of encoders with the encoder-output cache off, a pair with it on, one prefill
-and one decode (both with ``--no-caches``, so that vLLM's prefix cache does not answer for the
-encoder), and three gateways, one per arm:
+comes ``REPEAT_AFTER`` requests later, as the next turn of a chat would. One E/P/D deployment of
+the tiny Qwen2.5-VL: one prefill and one decode (both with ``--no-caches``, so that vLLM's prefix
+cache does not answer for the encoder), and per cache mode a pair of encoders (one pair at a
+time, to fit the machine's memory) with a gateway per arm:
 
-- ``cache off``: the cache-off encoders, affinity routing;
-- ``local cache, least in-flight``: the cache-on encoders, ``--no-affinity-routing``;
-- ``local cache, affinity``: the cache-on encoders, items routed by content hash.
+- ``cache off``: encoders with the encoder-output cache off, affinity routing;
+- ``local cache, least in-flight`` / ``local cache, affinity``: each encoder its own cache, with
+  ``--no-affinity-routing`` / items routed by content hash;
+- ``shared tier, least in-flight`` / ``shared tier, affinity``: the same plus the shared tier
+  (``epd shared-cache``, Mooncake Store): an encoder finds what the other encoded.
 
 Each arm sends its own salted copy of the workload (same pixels, new bytes: no arm's cache can
 serve another's) at most ``CONCURRENCY`` in flight. Reported per arm: TTFT and E2EL
 (mean/median/p99), tower runs (``epd_encoder_batch_items`` over both encoders: the items vLLM
 scheduled for the tower), cache hits, and whether every request's tokens equal the monolithic
-run's. A shared tier across encoders is not implemented, so it has no arm.
+run's.
 
 With the cache off, vLLM's own encoder cache in the encoder engine still answers a repeat that
 comes while the output is resident (it frees entries lazily): the tower-run count shows how
@@ -32,7 +34,7 @@ import grpc
 from bench.common import RESULTS_DIR, progress, write_result
 from bench.workload import WorkloadSpec, build_requests, run_load, salted
 from epd.client import generate
-from epd.launcher import ServiceProcess, Stack, gateway_args, start_monolithic
+from epd.launcher import ServiceProcess, Stack, gateway_args, start_monolithic, start_shared_cache
 from epd.server import CLIENT_OPTIONS
 from epd.telemetry import scrape
 from epd.v1 import gateway_pb2, gateway_pb2_grpc
@@ -42,8 +44,17 @@ FAMILY = "qwen2_5_vl"
 CONCURRENCY = 4
 UNIQUE_ITEMS = 24
 QUICK_UNIQUE_ITEMS = 4
-REPEAT_AFTER = 3  # a repeat follows its first use this many requests later
-ARMS = {"cache off": ("off", True), "local cache, least in-flight": ("on", False), "local cache, affinity": ("on", True)}
+# A repeat follows its first use this many requests later: far enough that vLLM's own encoder
+# cache in the encoder engine has usually let it go.
+REPEAT_AFTER = 8
+# arm -> (cache mode, affinity routing); the arms of one mode share its encoder pair.
+ARMS = {
+    "cache off": ("off", True),
+    "local cache, least in-flight": ("local", False),
+    "local cache, affinity": ("local", True),
+    "shared tier, least in-flight": ("shared", False),
+    "shared tier, affinity": ("shared", True),
+}
 
 
 def build_workload(unique: int) -> list[gateway_pb2.GenerateRequest]:
@@ -65,30 +76,43 @@ def build_workload(unique: int) -> list[gateway_pb2.GenerateRequest]:
     return order
 
 
-def _tower_runs(encoders: list[ServiceProcess]) -> tuple[float, float]:
-    """Items scheduled for the tower and cache hits, summed over the encoders."""
+def _tower_runs(encoders: list[ServiceProcess]) -> tuple[float, float, float]:
+    """Items scheduled for the tower, cache hits and those of them the shared tier served,
+    summed over the encoders."""
     samples = [scrape(e.metrics_port) for e in encoders]
-    return sum(s.get("epd_encoder_batch_items{modality=image}", 0.0) for s in samples), sum(s.get("epd_encoder_cache_hits_total", 0.0) for s in samples)
+    names = ("epd_encoder_batch_items{modality=image}", "epd_encoder_cache_hits_total", "epd_encoder_cache_shared_hits_total")
+    return tuple(sum(s.get(name, 0.0) for s in samples) for name in names)
 
 
-def _start(stack: Stack, model: str) -> tuple[dict[str, list[ServiceProcess]], dict[str, ServiceProcess]]:
+def _start_engines(stack: Stack, model: str) -> tuple[ServiceProcess, ServiceProcess, ServiceProcess]:
     observability = ["--metrics-port", "0"]
-    encoders = {
-        cache: [stack.start(f"encoder-cache-{cache}-{i}", ["encoder", "--model", model, *observability, *([] if cache == "on" else ["--encoder-cache-bytes", "0"])]) for i in range(2)]
-        for cache in ("off", "on")
-    }
     prefill = stack.start("prefill", ["prefill", "--model", model, "--no-caches", *observability])
     decode = stack.start("decode", ["decode", "--model", model, "--mode", "decode", "--no-caches", *observability])
     monolithic = start_monolithic(stack, model, extra=["--no-caches", *observability])
-    stack.wait_ready([*encoders["off"], *encoders["on"], prefill, decode], timeout=900)
+    stack.wait_ready([prefill, decode], timeout=900)
+    return prefill, decode, monolithic
+
+
+def _start_mode(stack: Stack, model: str, cache: str, prefill: ServiceProcess, decode: ServiceProcess) -> tuple[list[ServiceProcess], dict[str, ServiceProcess]]:
+    """The encoder pair of one cache mode (and the shared tier it uses), and a gateway per arm."""
+    observability = ["--metrics-port", "0"]
+    flags = {"off": ["--encoder-cache-bytes", "0"], "local": [], "shared": start_shared_cache(stack) if cache == "shared" else []}[cache]
+    encoders = [stack.start(f"encoder-{cache}-{i}", ["encoder", "--model", model, *observability, *flags]) for i in range(2)]
+    stack.wait_ready(encoders, timeout=900)
     gateways = {}
-    for arm, (cache, affinity) in ARMS.items():
-        extra = [*observability, *([] if affinity else ["--no-affinity-routing"])]
-        args = gateway_args(model, "epd", encoders=[e.address for e in encoders[cache]], prefills=[prefill.address], decodes=[decode.address], extra=extra)
-        gateways[arm] = stack.start(f"gateway-{cache}-{'affinity' if affinity else 'least'}", args)
-    gateways["monolithic"] = monolithic
+    for arm, (mode, affinity) in ARMS.items():
+        if mode == cache:
+            extra = [*observability, *([] if affinity else ["--no-affinity-routing"])]
+            args = gateway_args(model, "epd", encoders=[e.address for e in encoders], prefills=[prefill.address], decodes=[decode.address], extra=extra)
+            gateways[arm] = stack.start(f"gateway-{cache}-{'affinity' if affinity else 'least'}", args)
     stack.wait_ready(list(gateways.values()), timeout=600)
     return encoders, gateways
+
+
+def _stop(stack: Stack, services: list[ServiceProcess]) -> None:
+    for service in services:
+        service.stop()
+        stack.services.remove(service)
 
 
 def run(*, quick: bool = False, results_dir: pathlib.Path = RESULTS_DIR, command: str) -> pathlib.Path:
@@ -100,36 +124,42 @@ def run(*, quick: bool = False, results_dir: pathlib.Path = RESULTS_DIR, command
     async def experiment() -> list[dict[str, Any]]:
         stack = Stack()
         try:
-            encoders, gateways = await asyncio.to_thread(_start, stack, model)
-            async with grpc.aio.insecure_channel(gateways["monolithic"].address, options=CLIENT_OPTIONS) as channel:
+            prefill, decode, monolithic = await asyncio.to_thread(_start_engines, stack, model)
+            async with grpc.aio.insecure_channel(monolithic.address, options=CLIENT_OPTIONS) as channel:
                 stub = gateway_pb2_grpc.GatewayServiceStub(channel)
                 oracle = [(await generate(stub, r, timeout=300)).token_ids for r in workload]
-            # Every arm's engines warmed up alike (the first arm would otherwise pay for all),
-            # on bytes no measured pass sends.
-            for arm in ARMS:
-                await run_load(gateways[arm].address, salted(workload[:CONCURRENCY], f"warm-{arm}"), float("inf"), seed=0, max_concurrency=CONCURRENCY)
             results = []
-            for index, (arm, (cache, _)) in enumerate(ARMS.items()):
-                requests = salted(workload, f"arm-{index}")
-                before = _tower_runs(encoders[cache])
-                load = await run_load(gateways[arm].address, requests, float("inf"), seed=index, max_concurrency=CONCURRENCY)
-                after = _tower_runs(encoders[cache])
-                same = [list(record) == expected for record, expected in zip(load.pop("outputs"), oracle, strict=True)]
-                results.append(
-                    {
-                        "arm": arm,
-                        "requests": len(requests),
-                        "unique_items": len(requests) // 2,
-                        "failed": load["failed"],
-                        "errors": load["errors"],
-                        "tower_runs": after[0] - before[0],
-                        "cache_hits": after[1] - before[1],
-                        "tokens_equal_monolithic": sum(same),
-                        "ttft_ms": load["ttft_ms"],
-                        "e2el_ms": load["e2el_ms"],
-                    }
-                )
-                progress(f"{NAME}: {arm}: TTFT p50 {load['ttft_ms']['median']:.0f} ms, {results[-1]['tower_runs']:.0f} tower runs for {len(requests) // 2} images")
+            for cache in dict.fromkeys(mode for mode, _ in ARMS.values()):
+                started = len(stack.services)
+                encoders, gateways = await asyncio.to_thread(_start_mode, stack, model, cache, prefill, decode)
+                # Every arm's engines warmed up alike (the first arm would otherwise pay for
+                # all), on bytes no measured pass sends.
+                for arm in gateways:
+                    await run_load(gateways[arm].address, salted(workload[:CONCURRENCY], f"warm-{arm}"), float("inf"), seed=0, max_concurrency=CONCURRENCY)
+                for arm, gateway in gateways.items():
+                    index = list(ARMS).index(arm)
+                    requests = salted(workload, f"arm-{index}")
+                    before = _tower_runs(encoders)
+                    load = await run_load(gateway.address, requests, float("inf"), seed=index, max_concurrency=CONCURRENCY)
+                    after = _tower_runs(encoders)
+                    same = [list(record) == expected for record, expected in zip(load.pop("outputs"), oracle, strict=True)]
+                    results.append(
+                        {
+                            "arm": arm,
+                            "requests": len(requests),
+                            "unique_items": len(requests) // 2,
+                            "failed": load["failed"],
+                            "errors": load["errors"],
+                            "tower_runs": after[0] - before[0],
+                            "cache_hits": after[1] - before[1],
+                            "shared_hits": after[2] - before[2],
+                            "tokens_equal_monolithic": sum(same),
+                            "ttft_ms": load["ttft_ms"],
+                            "e2el_ms": load["e2el_ms"],
+                        }
+                    )
+                    progress(f"{NAME}: {arm}: TTFT p50 {load['ttft_ms']['median']:.0f} ms, {results[-1]['tower_runs']:.0f} tower runs for {len(requests) // 2} images")
+                await asyncio.to_thread(_stop, stack, stack.services[started:])
             return results
         finally:
             await asyncio.to_thread(stack.stop)
