@@ -269,7 +269,7 @@ class ProducerScheduler:
             return dataclasses.replace(item, error=f"the encoder output of item {index} was not written ({header.status.name})")
         location = self._publisher.location(lease, self._arena.publish(lease.lease_id))
         if self._shared is not None and not reservation.cached:
-            self._share(feature.identifier, lease)
+            self._share(feature.identifier)
         return dataclasses.replace(item, location=location)
 
     def _fill_from_shared_tier(self, key: str, lease: Lease, rows: int, width: int) -> bool:
@@ -290,7 +290,7 @@ class ProducerScheduler:
         counters.set("cache_shared_hits", counters.get("cache_shared_hits") + 1)
         return True
 
-    def _share(self, key: str, lease: Lease) -> None:
+    def _share(self, key: str) -> None:
         """Offers a fill the tower just wrote to the shared tier, pinned by a lease of its own
         until the bytes are out (the request's lease ends as soon as its consumer reads)."""
         pin = self._arena.share(key)
@@ -324,7 +324,7 @@ def _shared_tier(vllm_config: VllmConfig, config: ConnectorConfig, buffer, dtype
     if not config.shared_cache_master:
         return None
     if config.cache_bytes <= 0:
-        raise ValueError("the shared encoder cache needs the local one: --shared-cache-master with --encoder-cache-bytes 0 (or --no-caches)")
+        raise ValueError("the shared encoder cache needs the local one: --shared-cache-master with --encoder-cache-bytes 0")
     from epd.transport.shared_tier import SharedTier, SharedTierConfig, namespace_for
 
     model = vllm_config.model_config
