@@ -21,4 +21,5 @@ fi
 echo "[test] ruff"
 .venv/bin/ruff check .
 echo "[test] pytest"
-exec "$PY" -m pytest -ra "$@"
+# -X faulthandler: a crash after the last test (interpreter exit) still prints every thread's stack.
+exec "$PY" -X faulthandler -m pytest -ra "$@"

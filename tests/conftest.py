@@ -17,7 +17,7 @@ import pytest
 from epd.checkpoints import ensure_tiny_checkpoint
 from epd.launcher import ServiceProcess, Stack, gateway_args, start_monolithic
 from epd.v1 import gateway_pb2_grpc
-from tests.helpers import gateway_stub
+from tests.helpers import close_channels, gateway_stub
 from tests.otlp import OtlpReceiver
 
 DEFAULT_FAMILY = "qwen2_5_vl"
@@ -107,6 +107,12 @@ class StackManager:
     def close(self) -> None:
         if self.current is not None:
             self.current.stack.stop()
+
+
+@pytest.fixture(scope="session", autouse=True)
+async def _closed_channels_at_exit():
+    yield
+    await close_channels()
 
 
 @pytest.fixture(scope="session")

@@ -13,8 +13,23 @@ from epd.telemetry import scrape
 from epd.v1 import gateway_pb2_grpc
 
 
+_channels: dict[str, grpc.aio.Channel] = {}
+
+
 def gateway_stub(address: str) -> gateway_pb2_grpc.GatewayServiceStub:
-    return gateway_pb2_grpc.GatewayServiceStub(grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS))
+    """A stub on the session's one channel to ``address``: closed by :func:`close_channels`."""
+    if address not in _channels:
+        _channels[address] = grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS)
+    return gateway_pb2_grpc.GatewayServiceStub(_channels[address])
+
+
+async def close_channels() -> None:
+    """Closes every channel :func:`gateway_stub` opened, on the loop they belong to. A grpc.aio
+    channel left to the garbage collector after its event loop has closed can crash the
+    interpreter as it exits, after every test has passed (exit 139 in CI)."""
+    channels = list(_channels.values())
+    _channels.clear()
+    await asyncio.gather(*(channel.close() for channel in channels))
 
 
 async def wait_for_metric(metrics_port: int, name: str, expected: float, timeout: float = 10.0) -> float:
