@@ -12,7 +12,6 @@ from epd.server import CLIENT_OPTIONS
 from epd.telemetry import scrape
 from epd.v1 import gateway_pb2_grpc
 
-
 _channels: dict[str, grpc.aio.Channel] = {}
 
 
