@@ -32,13 +32,13 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from epd import wire
-from epd.client import content_part
+from epd.client import chat_request, content_part, generate
 from epd.errors import DeadlineExceeded, FailedPrecondition, FieldViolation, Internal, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from epd.launcher import ServiceProcess, gateway_args
 from epd.security import TlsConfig
 from epd.server import ServerConfig
 from epd.telemetry import scrape
-from epd.testing import sine_wav, synthetic_image_png, synthetic_video
+from epd.testing import noise_flac, sine_wav, synthetic_image_png, synthetic_video
 from epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from gateway import openai_wire
 from gateway.media_fetch import MediaFetcher, MediaFetchError, address_problem, check_url
@@ -46,7 +46,7 @@ from gateway.openai_front import OpenAIFront
 from gateway.pipeline import Mode
 from gateway.server import GatewayConfig
 from tests.conftest import DEFAULT_FAMILY
-from tests.helpers import wait_for_metric
+from tests.helpers import gateway_stub, wait_for_metric
 
 TOKEN = "openai-front-token"
 PUBLIC = "93.184.215.14"  # a globally routable address; the fake resolver hands it out, nothing dials it
@@ -699,3 +699,23 @@ async def test_a_client_that_disconnects_mid_stream_aborts_the_request(http_stac
     assert await wait_for_metric(http_stack.gateway.metrics_port, "epd_requests_in_flight", 0.0) == 0.0
     assert await wait_for_metric(http_stack.encoder.metrics_port, "epd_arena_leases", 0.0) == 0.0
     assert scrape(http_stack.gateway.metrics_port).get("epd_requests_total{code=CANCELLED,method=ChatCompletions,service=gateway}") == 1.0
+
+
+@pytest.mark.parametrize("family", ["qwen2_audio"])
+async def test_input_audio_in_wav_and_flac_equals_the_grpc_reply(family_stack, family):
+    """``input_audio`` end to end, on the audio family's stack (its own E+PD gateway with an HTTP
+    port): the tokens of each clip equal what a gRPC client gets for the same chat."""
+    s = family_stack
+    args = gateway_args(s.model, "epd-combined", encoders=[s.encoder.address], decodes=[s.combined.address], extra=["--http-port", "0"])
+    clips = {"wav": (sine_wav(1.2, freq=350.0, seed=311), "audio/wav"), "flac": (noise_flac(1.6, seed=312), "audio/flac")}
+    with s.stack.temporary("gateway-http-audio", args) as gateway:
+        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{gateway.http_port}/v1", api_key="none", max_retries=0, timeout=180)
+        for audio_format, (clip, mime_type) in clips.items():
+            expected = await generate(gateway_stub(gateway.address), chat_request([(clip, mime_type), "What do you hear?"], max_tokens=12, min_tokens=12), timeout=180)
+            content = [{"type": "input_audio", "input_audio": {"data": _b64(clip), "format": audio_format}}, {"type": "text", "text": "What do you hear?"}]
+            reply = await client.chat.completions.create(
+                model=s.model, messages=[{"role": "user", "content": content}], max_tokens=12, temperature=0, extra_body={**_GREEDY, "min_tokens": 12}
+            )
+            assert len(expected.token_ids) == 12 and expected.finished.usage.multimodal_tokens > 0
+            assert reply.choices[0].model_extra["token_ids"] == expected.token_ids, audio_format
+            assert reply.usage.prompt_tokens == expected.finished.usage.prompt_tokens
