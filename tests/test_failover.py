@@ -73,8 +73,8 @@ async def test_killing_an_encoder_and_a_prefill_under_load_fails_no_request(fami
             decodes=[family_stack.decode.address],
             extra=["--metrics-port", "0"],
         )
-        # A gateway whose only encoder is the spare: its readiness must follow that encoder.
-        spare_only = gateway_args(model, "epd", encoders=[spare_encoder.address], prefills=[family_stack.prefill.address], decodes=[family_stack.decode.address])
+        # A gateway whose only encoder and prefill are the spares: its readiness must follow them.
+        spare_only = gateway_args(model, "epd", encoders=[spare_encoder.address], prefills=[spare_prefill.address], decodes=[family_stack.decode.address])
         gateway, lonely = stack.start("gateway-failover", both), stack.start("gateway-spare-only", spare_only)
         extra += [gateway, lonely]
         stack.wait_ready([gateway, lonely], timeout=120)
@@ -114,15 +114,17 @@ async def test_killing_an_encoder_and_a_prefill_under_load_fails_no_request(fami
             await generate(gateway_stub(lonely.address), _request(0), timeout=30)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE and "no live encoder" in refused.value.details()
 
-        # A restarted encoder at the same address rejoins without touching the gateways.
+        # A restarted encoder and prefill (new processes, same addresses) rejoin without touching
+        # the gateways; the decode pulls KV from the new prefill process, not a stale NIXL agent.
         spare_encoder.process.wait(30)
-        port = spare_encoder.port
-        reborn = stack.start("encoder-reborn", ["encoder", "--model", model, "--port", str(port), "--metrics-port", "0"])
-        extra.append(reborn)
-        stack.wait_ready([reborn], timeout=600)
+        spare_prefill.process.wait(30)
+        reborn = stack.start("encoder-reborn", ["encoder", "--model", model, "--port", str(spare_encoder.port), "--metrics-port", "0"])
+        reborn_prefill = stack.start("prefill-reborn", ["prefill", "--model", model, "--port", str(spare_prefill.port)])
+        extra += [reborn, reborn_prefill]
+        stack.wait_ready([reborn, reborn_prefill], timeout=600)
         assert await _wait_readiness(lonely.address, health_pb2.HealthCheckResponse.SERVING) == health_pb2.HealthCheckResponse.SERVING
-        result = await generate(gateway_stub(lonely.address), _request(1), timeout=120)
-        assert result.token_ids == oracle[1]
+        for i in range(2):
+            assert (await generate(gateway_stub(lonely.address), _request(i), timeout=120)).token_ids == oracle[i]
         # The shared gateway sends the reborn encoder its own share of the items again: each new
         # image goes to the encoder its content hash points to on the ring (one at a time, so
         # no load bound interferes).
@@ -142,13 +144,13 @@ async def test_a_decode_killed_mid_stream_ends_its_stream_and_later_requests_are
     oracle = await _oracle(family_stack)
     stack, model = family_stack.stack, family_stack.model
     doomed = stack.start("decode-doomed", ["decode", "--model", model, "--mode", "decode"])
-    gateway = None
+    gateway = reborn = None
     try:
         stack.wait_ready([doomed], timeout=600)
         # The doomed decode is listed first: ties rotate from the first address, so it gets the
         # gateway's first request.
         args = gateway_args(model, "epd", encoders=[family_stack.encoder.address], prefills=[family_stack.prefill.address], decodes=[doomed.address, family_stack.decode.address])
-        gateway = stack.start("gateway-decode-failover", args)
+        gateway = stack.start("gateway-decode-failover", [*args, "--metrics-port", "0"])
         stack.wait_ready([gateway], timeout=120)
         stub = gateway_stub(gateway.address)
         stream = stub.Generate(_request(2, max_tokens=200), timeout=120)
@@ -164,8 +166,18 @@ async def test_a_decode_killed_mid_stream_ends_its_stream_and_later_requests_are
         assert time.monotonic() - killed < 10
         for i in range(2):
             assert (await generate(stub, _request(i), timeout=120)).token_ids == oracle[i]
+
+        # A new decode process at the dead one's address is taken back and decodes correctly:
+        # it handshakes with the prefill afresh (the prefill's KV agent never saw this process).
+        doomed.process.wait(30)
+        reborn = stack.start("decode-reborn", ["decode", "--model", model, "--mode", "decode", "--port", str(doomed.port), "--metrics-port", "0"])
+        stack.wait_ready([reborn], timeout=600)
+        assert await wait_for_metric(gateway.metrics_port, f"epd_stage_instance_up{{address={doomed.address},stage=decode}}", 1.0, timeout=30) == 1.0
+        for i in range(4):  # ties rotate between the two decodes: the reborn one gets some
+            assert (await generate(stub, _request(i % len(_IMAGES)), timeout=120)).token_ids == oracle[i % len(_IMAGES)]
+        assert scrape(reborn.metrics_port).get("epd_requests_total{code=OK,method=Decode,service=decode}", 0.0) >= 1
     finally:
-        for service in (doomed, gateway):
+        for service in (doomed, reborn, gateway):
             if service is not None:
                 service.stop()
                 stack.services.remove(service)
