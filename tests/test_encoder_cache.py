@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from epd.client import chat_request, generate
 from epd.telemetry import scrape
 from epd.testing import synthetic_image_png
+from tests.conftest import BF16, DEFAULT_FAMILY, stack_key
 from tests.helpers import gateway_stub, wait_for_metric
 
 _TOWER_RUNS = "epd_encoder_batch_items{modality=image}"
@@ -28,7 +31,9 @@ def _grown(before: dict[str, float], after: dict[str, float]) -> tuple[float, fl
     return tuple(after.get(name, 0.0) - before.get(name, 0.0) for name in (_TOWER_RUNS, _HITS, _MISSES))
 
 
-async def test_a_repeated_item_is_encoded_once_and_decodes_to_the_monolithic_tokens(family_stack):
+# bf16 too: a cached fill is the tower's bf16 output, bit for bit, so tokens stay monolithic bf16's.
+@pytest.mark.parametrize("family", [DEFAULT_FAMILY, stack_key("qwen2_5_omni", BF16)])
+async def test_a_repeated_item_is_encoded_once_and_decodes_to_the_monolithic_tokens(family_stack, family):
     encoder, epd, monolithic = family_stack.encoder, family_stack.gateway_stub("epd"), family_stack.gateway_stub("monolithic")
     first, follow_up = _request(7301, "What is this?"), _request(7301, "And its colours?")
     oracle = [(await generate(monolithic, r, timeout=120)).token_ids for r in (first, follow_up)]
