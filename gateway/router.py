@@ -227,10 +227,15 @@ class StagePool:
 
     @contextlib.contextmanager
     def busy(self, address: str):
-        """Counts a call against an instance while it runs."""
+        """Counts a call against an instance while it runs.
+
+        Raises:
+            Unavailable: the instance has left the pool since it was picked.
+        """
+        stub = self.stub(address)
         self._in_flight[address] += 1
         try:
-            yield self._stubs[address]
+            yield stub
         finally:
             self._in_flight[address] -= 1
             if address in self._leaving and not self._in_flight[address]:
@@ -275,7 +280,7 @@ class StagePool:
         was_available = self.available
         for address in wanted:
             if address in self._leaving:
-                self._leaving.discard(address)  # listed again before it was dropped
+                self._rejoin(address)
             elif address not in self._stubs:
                 self._add(address)
         for address in [a for a in self.addresses if a not in wanted]:
@@ -296,6 +301,15 @@ class StagePool:
         self._channels[address] = channel
         self._stubs[address] = self._stub_class(channel)
         self._in_flight[address] = 0
+        self._admit(address)
+
+    def _rejoin(self, address: str) -> None:
+        """Listed again before it was dropped (a call to it still ran): leaving had stopped its
+        health watch, so it is admitted afresh."""
+        self._leaving.discard(address)
+        self._admit(address)
+
+    def _admit(self, address: str) -> None:
         self._health[address] = Health.UNKNOWN
         telemetry.STAGE_INSTANCE_UP.labels(stage=self.stage, address=address).set(1)
         if self._watching:
@@ -330,9 +344,12 @@ class StagePool:
             for host, port in self._names:
                 try:
                     self._resolved[(host, port)] = _instances(await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM), port)
-                except OSError as exc:  # keep the last answer: a DNS hiccup must not empty the pool
+                except (OSError, UnicodeError) as exc:  # keep the last answer: a DNS hiccup must not empty the pool
                     logger.warning("%s: cannot resolve %s: %s", self.stage, host, exc)
-            self._set_members(self._wanted())
+            try:
+                self._set_members(self._wanted())
+            except Exception:  # a bug here must not end re-resolution for the gateway's lifetime
+                logger.exception("%s: could not apply the resolved members", self.stage)
 
     # ---- health -----------------------------------------------------------------------------
 

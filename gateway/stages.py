@@ -111,8 +111,9 @@ class EncoderClient:
         for address, lease_ids in leases.by_encoder.items():
             try:
                 await self.pool.stub(address).ReleaseEmbeddings(encoder_pb2.ReleaseEmbeddingsRequest(lease_ids=lease_ids), timeout=_RELEASE_TIMEOUT_S)
-            except grpc.aio.AioRpcError as exc:
-                logger.warning("could not release %d leases on %s (they expire by TTL): %s", len(lease_ids), address, exc.details())
+            except (grpc.aio.AioRpcError, EpdError) as exc:  # EpdError: the encoder has left the pool
+                reason = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else exc.message
+                logger.warning("could not release %d leases on %s (they expire by TTL): %s", len(lease_ids), address, reason)
 
 
 _TEXT_PREFIX_TOKENS = 64

@@ -118,10 +118,8 @@ async def _until(condition, timeout: float = 5.0) -> bool:
     return condition()
 
 
-async def test_a_dns_name_stands_for_the_instances_it_resolves_to(monkeypatch):
-    """Membership follows the name's answers (a fake resolver; the instances are loopback
-    addresses nobody listens on, so their health watches fail and nothing else is reached)."""
-    answers = {"encoders.test": ["127.0.0.2"]}
+def _fake_dns(monkeypatch, answers: dict[str, list[str]]) -> None:
+    """``socket.getaddrinfo`` answers from ``answers`` (edited by the test as it goes)."""
 
     def resolve(host, port, *args, **kwargs):
         if host not in answers:
@@ -129,6 +127,13 @@ async def test_a_dns_name_stands_for_the_instances_it_resolves_to(monkeypatch):
         return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", (ip, port)) for ip in answers[host]]
 
     monkeypatch.setattr(socket, "getaddrinfo", resolve)
+
+
+async def test_a_dns_name_stands_for_the_instances_it_resolves_to(monkeypatch):
+    """Membership follows the name's answers (a fake resolver; the instances are loopback
+    addresses nobody listens on, so their health watches fail and nothing else is reached)."""
+    answers = {"encoders.test": ["127.0.0.2"]}
+    _fake_dns(monkeypatch, answers)
     pool = StagePool("encoder", ["dns:///encoders.test:50999", "127.0.0.1:1"], encoder_pb2_grpc.EncoderServiceStub, resolve_interval_s=0.05)
     try:
         assert pool.addresses == ["127.0.0.1:1", "127.0.0.2:50999"]  # resolved before the first pick
@@ -149,9 +154,51 @@ async def test_a_dns_name_stands_for_the_instances_it_resolves_to(monkeypatch):
         await pool.close()
 
 
+async def test_an_instance_listed_again_while_a_call_runs_is_watched_again(monkeypatch):
+    """A pod that drops out of DNS for a moment while a call to it runs, then comes back, is a
+    member with a health watch again (leaving stopped its watch), and a call to an instance that
+    has left since it was picked is UNAVAILABLE, which is retried."""
+    answers = {"encoders.test": ["127.0.0.2"]}
+    _fake_dns(monkeypatch, answers)
+    address = "127.0.0.2:50999"
+    pool = StagePool("encoder", ["dns:///encoders.test:50999"], encoder_pb2_grpc.EncoderServiceStub, resolve_interval_s=0.05)
+    try:
+        pool.watch_health()
+        with pool.busy(address):
+            answers["encoders.test"] = ["127.0.0.3"]
+            assert await _until(lambda: address not in pool.addresses)
+            assert address not in pool._watchers
+            answers["encoders.test"] = ["127.0.0.2", "127.0.0.3"]
+            assert await _until(lambda: address in pool.addresses)
+        assert pool.stub(address) is not None  # the call's end did not drop it
+        watcher = pool._watchers.get(address)
+        assert watcher is not None and not watcher.done()
+        answers["encoders.test"] = ["127.0.0.3"]
+        assert await _until(lambda: address not in pool.addresses)
+        with pytest.raises(Unavailable, match="no longer an instance"), pool.busy(address):
+            pass
+    finally:
+        await pool.close()
+
+
 def test_retry_backoff_is_jittered_and_doubles():
     policy = RetryPolicy(max_attempts=3, retry_backoff_s=0.1)
     for attempt in (1, 2, 3):
         delays = [policy.delay(attempt) for _ in range(200)]
         assert 0 <= min(delays) and max(delays) <= 0.1 * 2 ** (attempt - 1)
         assert max(delays) > 0.05 * 2 ** (attempt - 1)  # the range is used, not a constant
+
+
+async def test_releasing_leases_on_an_encoder_that_left_is_logged_not_raised(caplog):
+    """The gateway frees a failed attempt's leases in a ``finally``: an encoder that has left
+    the pool since (scaled away) must not replace the request's own error with another."""
+    from gateway.stages import EncoderClient, Leases
+
+    pool = _pool(["127.0.0.1:1"])
+    leases = Leases()
+    leases.by_encoder["127.0.0.9:50051"].append("lease-of-a-gone-encoder")
+    try:
+        await EncoderClient(pool).release(leases)
+    finally:
+        await pool.close()
+    assert "could not release 1 leases on 127.0.0.9:50051" in caplog.text
