@@ -564,9 +564,17 @@ def test_room_is_made_by_evicting_the_least_recently_used_unleased_fill(caching_
     assert [caching_arena.is_published(k) for k in "abc"] == [True, False, True]
     assert caching_arena.counters.get("cache_evictions") == 1
     pinned = caching_arena.share("a")
-    assert caching_arena.reserve(2048) is None  # "c" alone leaves no run of two slots
-    assert caching_arena.counters.get("cache_evictions") == 2 and caching_arena.is_published("a")
+    assert caching_arena.reserve(2048) is None  # "c" alone could never make a run of two slots: kept
+    assert caching_arena.counters.get("cache_evictions") == 1 and caching_arena.is_published("a") and caching_arena.is_published("c")
     caching_arena.release(pinned.lease_id)
+
+
+def test_a_fill_that_cannot_fit_evicts_nothing(caching_arena):
+    caching_arena.release(_published(caching_arena, "a").lease_id)
+    held = caching_arena.reserve(2048)  # two of the four slots stay leased
+    assert caching_arena.reserve(3 * 1024) is None  # one free and one idle slot: never three
+    assert caching_arena.is_published("a") and caching_arena.counters.get("cache_evictions") == 0
+    caching_arena.release(held.lease_id)
 
 
 def test_the_cache_keeps_at_most_its_bytes_and_off_frees_at_once():

@@ -155,9 +155,12 @@ class EmbeddingArena:
             raise ValueError(f"{nbytes} bytes can never fit an arena of {self._slots.num_slots} x {self.slot_bytes}-byte slots")
         with self._lock:
             first = self._slots.alloc(num_slots)
-            while first is None and self._idle:
-                self._evict_oldest()
-                first = self._slots.alloc(num_slots)
+            # Evict only when that could make room: a fill that cannot fit even in every idle
+            # slot (the rest are leased) must not empty the cache for nothing.
+            if first is None and self._slots.free_slots + sum(f.num_slots for f in self._idle.values()) >= num_slots:
+                while first is None and self._idle:
+                    self._evict_oldest()
+                    first = self._slots.alloc(num_slots)
             if first is None:
                 return None
             # A key already held keeps its fill (the caller chose not to share it).
@@ -255,7 +258,7 @@ class EmbeddingArena:
             return False
         fill.leases.discard(lease_id)
         if not fill.leases:
-            if fill.cached_bytes:
+            if fill.cached_bytes and fill.key is not None:
                 self._idle[fill.key] = fill
                 self._trim()
             else:
