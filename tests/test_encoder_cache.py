@@ -9,8 +9,12 @@ counts the items the encoder engine scheduled for its tower.
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
+import threading
+import time
 
 import pytest
+import torch
 
 from epd.client import chat_request, generate
 from epd.telemetry import scrape
@@ -108,3 +112,65 @@ async def test_an_item_whose_encoder_died_is_served_from_the_shared_tier_without
         for service in reversed(started):
             await asyncio.to_thread(service.stop)
             s.stack.services.remove(service)
+
+
+class _StalledStore:
+    """A store client whose puts wait until ``go`` is set: a shared tier that is slow or gone."""
+
+    def __init__(self, store, go: threading.Event) -> None:
+        self._store, self._go = store, go
+
+    def __getattr__(self, name: str):
+        return getattr(self._store, name)
+
+    def put_from(self, key: str, address: int, nbytes: int) -> int:
+        self._go.wait(30)
+        return self._store.put_from(key, address, nbytes)
+
+
+def _offer_to_a_stalled_tier(master: str, metadata: str, results) -> None:
+    """In a process of its own (the Mooncake client's threads stay out of pytest's): offers five
+    4 KiB outputs to a tier whose puts stall, with room for three to wait."""
+    from epd.transport.shared_tier import SharedTier, SharedTierConfig
+
+    size = 4096
+    buffer = torch.arange(8 * size, dtype=torch.int64).to(torch.uint8)
+    puts: list[int] = []
+    tier = SharedTier(SharedTierConfig(master, metadata, "127.0.0.1"), buffer, "stall-test", lambda: puts.append(1), max_waiting_bytes=3 * size)
+    go = threading.Event()
+    tier._store = _StalledStore(tier._store, go)
+    unpinned: list[int] = []
+    for i in range(5):
+        tier.offer(f"item{i}", i * size, size, lambda i=i: unpinned.append(i))
+    at_once, waiting = list(unpinned), tier.waiting_bytes
+    go.set()
+    deadline = time.monotonic() + 30
+    while len(unpinned) < 5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    got = tier.get_into("item1", 6 * size, size) and torch.equal(buffer[6 * size : 7 * size], buffer[size : 2 * size])
+    tier.close()
+    results.put((at_once, waiting, sorted(unpinned), tier.waiting_bytes, len(puts), got))
+
+
+def test_outputs_waiting_for_a_stalled_shared_tier_pin_a_bounded_number_of_bytes(tmp_path):
+    """Each output waiting to be put pins its fill, which cannot be evicted; with the tier slow
+    or gone, the waiting bytes stay under their bound and the rest are not shared (unpinned at
+    once), so the arena never fills with pins. Once puts go through, every pin ends."""
+    from epd.launcher import Stack, shared_cache_flags
+
+    stack = Stack(tmp_path)
+    try:
+        tier = stack.start("shared-cache", ["shared-cache"])
+        stack.wait_ready([tier], 120)
+        _, master, _, metadata = shared_cache_flags(tier)
+        context = multiprocessing.get_context("spawn")
+        results = context.Queue()
+        child = context.Process(target=_offer_to_a_stalled_tier, args=(master, metadata, results), daemon=True)
+        child.start()
+        at_once, waiting, unpinned, left, puts, got = results.get(timeout=120)
+        child.join(30)
+    finally:
+        stack.stop()
+    # item0 is in the stalled put and items 1 and 2 wait: 3 x 4 KiB, the bound.
+    assert (at_once, waiting) == ([3, 4], 3 * 4096)
+    assert (unpinned, left, puts, got) == ([0, 1, 2, 3, 4], 0, 3, True)

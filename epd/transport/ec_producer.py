@@ -334,6 +334,7 @@ def _shared_tier(vllm_config: VllmConfig, config: ConnectorConfig, buffer, dtype
         buffer,
         namespace_for(model.model, model.revision, dtype),
         lambda: counters.set("cache_shared_puts", counters.get("cache_shared_puts") + 1),
+        max_waiting_bytes=config.cache_bytes // 4,  # pins on a quarter of the cache at most
     )
 
 

@@ -15,7 +15,8 @@ Keys are ``epd/<namespace>/<content hash>``; the namespace names the checkpoint,
 the engine's dtype, so encoders of other checkpoints or dtypes never share outputs.
 
 Puts run on a background thread, each under a lease that pins its fill until the bytes are
-out; gets run on the scheduler's thread, in the step that admits the request (about 1–8 ms
+out. Pinned fills cannot be evicted, so the bytes waiting to be put are bounded: past the bound
+an output is not shared (a tier that is slow or gone must not pin the arena full). Gets run on the scheduler's thread, in the step that admits the request (about 1–8 ms
 for 1 MiB over loopback TCP), which spares the tower its run.
 """
 
@@ -33,7 +34,6 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_PUT_QUEUE = 256  # outputs waiting to be put; more are dropped (counted), not waited for
 # The store client's own staging buffer. Puts and gets use the registered arena instead; this
 # only backs the client's small internal transfers.
 _LOCAL_BUFFER_BYTES = 1 << 20
@@ -49,11 +49,12 @@ class SharedTierConfig:
 class SharedTier:
     """One encoder engine's client of the shared tier, over its arena buffer."""
 
-    def __init__(self, config: SharedTierConfig, buffer: torch.Tensor, namespace: str, on_put: Callable[[], None]) -> None:
+    def __init__(self, config: SharedTierConfig, buffer: torch.Tensor, namespace: str, on_put: Callable[[], None], max_waiting_bytes: int) -> None:
         """Args:
         buffer: the arena buffer (uint8); every offset below is into it.
         namespace: what outputs of this engine are shared under (see :func:`namespace_for`).
         on_put: called after each output the tier took, for the counters.
+        max_waiting_bytes: the most bytes of outputs waiting to be put (each pins its fill).
 
         Raises:
             RuntimeError: the store client is not installed, or the master cannot be reached.
@@ -74,7 +75,10 @@ class SharedTier:
             raise RuntimeError(f"could not register the arena with the shared encoder cache: error {rc}")
         self._namespace = namespace
         self._on_put = on_put
-        self._puts: queue.Queue[tuple[str, int, int, Callable[[], None]] | None] = queue.Queue(_PUT_QUEUE)
+        self._puts: queue.Queue[tuple[str, int, int, Callable[[], None]] | None] = queue.Queue()
+        self._max_waiting_bytes = max_waiting_bytes
+        self._waiting_bytes = 0
+        self._waiting_lock = threading.Lock()
         self._writer = threading.Thread(target=self._write_loop, name="epd-shared-tier", daemon=True)
         self._writer.start()
         logger.info("EPD EC producer: sharing encoder outputs through Mooncake Store at %s (namespace %s)", config.master, namespace)
@@ -94,15 +98,26 @@ class SharedTier:
     def offer(self, content_hash: str, offset: int, nbytes: int, done: Callable[[], None]) -> None:
         """Puts a published fill into the tier, in the background; ``done`` is called once its
         bytes are no longer needed (the caller's pin on the fill may end)."""
-        try:
-            self._puts.put_nowait((self._key(content_hash), offset, nbytes, done))
-        except queue.Full:
-            logger.warning("EPD EC producer: %d outputs already wait for the shared encoder cache; not sharing %s", _PUT_QUEUE, content_hash)
+        with self._waiting_lock:
+            room = self._waiting_bytes + nbytes <= self._max_waiting_bytes
+            if room:
+                self._waiting_bytes += nbytes
+        if not room:
+            logger.warning("EPD EC producer: %d bytes already wait for the shared encoder cache; not sharing %s", self._waiting_bytes, content_hash)
             done()
+            return
+        self._puts.put((self._key(content_hash), offset, nbytes, done))
+
+    @property
+    def waiting_bytes(self) -> int:
+        return self._waiting_bytes
 
     def close(self) -> None:
         self._puts.put(None)
         self._writer.join(timeout=5)
+        if self._writer.is_alive():  # stuck in a put: closing the client under it could crash
+            logger.warning("EPD EC producer: a put to the shared encoder cache is still running; leaving its client open")
+            return
         self._store.close()
 
     def _key(self, content_hash: str) -> str:
@@ -122,7 +137,12 @@ class SharedTier:
             except Exception:
                 logger.warning("EPD EC producer: putting %s into the shared encoder cache failed", key, exc_info=True)
             finally:
-                done()
+                with self._waiting_lock:
+                    self._waiting_bytes -= nbytes
+                try:
+                    done()
+                except Exception:  # the writer must outlive any one output
+                    logger.exception("EPD EC producer: ending the pin on %s failed", key)
 
 
 def namespace_for(model: str, revision: str | None, dtype: str) -> str:
