@@ -115,10 +115,12 @@ async def test_an_item_whose_encoder_died_is_served_from_the_shared_tier_without
 
 
 class _StalledStore:
-    """A store client whose puts wait until ``go`` is set: a shared tier that is slow or gone."""
+    """A store client whose puts wait until ``go`` is set, and whose lookups take
+    ``lookup_delay_s``: a shared tier that is slow or gone."""
 
     def __init__(self, store, go: threading.Event) -> None:
         self._store, self._go = store, go
+        self.lookup_delay_s = 0.0
 
     def __getattr__(self, name: str):
         return getattr(self._store, name)
@@ -127,10 +129,15 @@ class _StalledStore:
         self._go.wait(30)
         return self._store.put_from(key, address, nbytes)
 
+    def is_exist(self, key: str) -> int:
+        time.sleep(self.lookup_delay_s)
+        return self._store.is_exist(key)
+
 
 def _offer_to_a_stalled_tier(master: str, metadata: str, results) -> None:
     """In a process of its own (the Mooncake client's threads stay out of pytest's): offers five
-    4 KiB outputs to a tier whose puts stall, with room for three to wait."""
+    4 KiB outputs to a tier whose puts stall, with room for three to wait; then looks one up
+    while lookups are slow."""
     from epd.transport.shared_tier import SharedTier, SharedTierConfig
 
     size = 4096
@@ -148,11 +155,15 @@ def _offer_to_a_stalled_tier(master: str, metadata: str, results) -> None:
     while len(unpinned) < 5 and time.monotonic() < deadline:
         time.sleep(0.05)
     got = tier.get_into("item1", 6 * size, size) and torch.equal(buffer[6 * size : 7 * size], buffer[size : 2 * size])
+    tier._store.lookup_delay_s = 0.8  # over the slow-lookup limit: found, then the tier is skipped
+    slow = tier.get_into("item2", 6 * size, size)
+    started = time.monotonic()
+    skipped = not tier.get_into("item2", 6 * size, size) and time.monotonic() - started < 0.2
     tier.close()
-    results.put((at_once, waiting, sorted(unpinned), tier.waiting_bytes, len(puts), got))
+    results.put((at_once, waiting, sorted(unpinned), tier.waiting_bytes, len(puts), got, slow, skipped))
 
 
-def test_outputs_waiting_for_a_stalled_shared_tier_pin_a_bounded_number_of_bytes(tmp_path):
+def test_a_stalled_shared_tier_pins_bounded_bytes_and_slow_lookups_make_it_skipped(tmp_path):
     """Each output waiting to be put pins its fill, which cannot be evicted; with the tier slow
     or gone, the waiting bytes stay under their bound and the rest are not shared (unpinned at
     once), so the arena never fills with pins. Once puts go through, every pin ends."""
@@ -167,10 +178,12 @@ def test_outputs_waiting_for_a_stalled_shared_tier_pin_a_bounded_number_of_bytes
         results = context.Queue()
         child = context.Process(target=_offer_to_a_stalled_tier, args=(master, metadata, results), daemon=True)
         child.start()
-        at_once, waiting, unpinned, left, puts, got = results.get(timeout=120)
+        at_once, waiting, unpinned, left, puts, got, slow, skipped = results.get(timeout=120)
         child.join(30)
     finally:
         stack.stop()
     # item0 is in the stalled put and items 1 and 2 wait: 3 x 4 KiB, the bound.
     assert (at_once, waiting) == ([3, 4], 3 * 4096)
     assert (unpinned, left, puts, got) == ([0, 1, 2, 3, 4], 0, 3, True)
+    # Lookups run on vLLM's scheduler thread: after a slow one the tier is skipped, not waited on.
+    assert (slow, skipped) == (True, True)

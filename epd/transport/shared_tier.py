@@ -28,6 +28,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 
 import torch
@@ -37,6 +38,10 @@ logger = logging.getLogger(__name__)
 # The store client's own staging buffer. Puts and gets use the registered arena instead; this
 # only backs the client's small internal transfers.
 _LOCAL_BUFFER_BYTES = 1 << 20
+# Lookups run on vLLM's scheduler thread: after one that failed or was this slow (a holder gone,
+# its connections timing out), the tier is skipped for a while rather than stall every step.
+_SLOW_LOOKUP_S = 0.5
+_SKIP_AFTER_TROUBLE_S = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,21 +84,29 @@ class SharedTier:
         self._max_waiting_bytes = max_waiting_bytes
         self._waiting_bytes = 0
         self._waiting_lock = threading.Lock()
+        self._skip_until = 0.0  # monotonic: no lookups before then
         self._writer = threading.Thread(target=self._write_loop, name="epd-shared-tier", daemon=True)
         self._writer.start()
         logger.info("EPD EC producer: sharing encoder outputs through Mooncake Store at %s (namespace %s)", config.master, namespace)
 
     def get_into(self, content_hash: str, offset: int, nbytes: int) -> bool:
         """Copies the tier's output for the item into the arena at ``offset`` when it holds
-        one of exactly ``nbytes``; False otherwise (a miss, or the tier is unreachable)."""
+        one of exactly ``nbytes``; False otherwise (a miss, the tier is unreachable, or it is
+        skipped after a lookup that failed or was slow)."""
+        started = time.monotonic()
+        if started < self._skip_until:
+            return False
         key = self._key(content_hash)
         try:
-            if self._store.is_exist(key) != 1:
-                return False
-            return self._store.get_into(key, self._base + offset, nbytes) == nbytes
+            found = self._store.is_exist(key) == 1 and self._store.get_into(key, self._base + offset, nbytes) == nbytes
+            trouble = time.monotonic() - started > _SLOW_LOOKUP_S
         except Exception:
             logger.warning("EPD EC producer: reading %s from the shared encoder cache failed; encoding it", key, exc_info=True)
-            return False
+            found, trouble = False, True
+        if trouble:
+            logger.warning("EPD EC producer: the shared encoder cache is failing or slow; not looking there for %.0f s", _SKIP_AFTER_TROUBLE_S)
+            self._skip_until = time.monotonic() + _SKIP_AFTER_TROUBLE_S
+        return found
 
     def offer(self, content_hash: str, offset: int, nbytes: int, done: Callable[[], None]) -> None:
         """Puts a published fill into the tier, in the background; ``done`` is called once its
