@@ -16,8 +16,9 @@ the engine's dtype, so encoders of other checkpoints or dtypes never share outpu
 
 Puts run on a background thread, each under a lease that pins its fill until the bytes are
 out. Pinned fills cannot be evicted, so the bytes waiting to be put are bounded: past the bound
-an output is not shared (a tier that is slow or gone must not pin the arena full). Gets run on the scheduler's thread, in the step that admits the request (about 1–8 ms
-for 1 MiB over loopback TCP), which spares the tower its run.
+an output is not shared (a tier that is slow or gone must not pin the arena full). Gets run on
+the scheduler's thread, in the step that admits the request (about 1–8 ms for 1 MiB over
+loopback TCP), which spares the tower its run.
 """
 
 from __future__ import annotations
