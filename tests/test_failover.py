@@ -144,19 +144,25 @@ async def test_killing_an_encoder_and_a_prefill_under_load_fails_no_request(fami
 async def test_a_decode_killed_mid_stream_ends_its_stream_and_later_requests_are_served(family_stack):
     oracle = await _oracle(family_stack)
     stack, model = family_stack.stack, family_stack.model
-    doomed = stack.start("decode-doomed", ["decode", "--model", model, "--mode", "decode"])
+    doomed = stack.start("decode-doomed", ["decode", "--model", model, "--mode", "decode", "--metrics-port", "0"])
     gateway = reborn = None
     try:
         stack.wait_ready([doomed], timeout=600)
-        # The doomed decode is listed first: ties rotate from the first address, so it gets the
-        # gateway's first request.
         args = gateway_args(model, "epd", encoders=[family_stack.encoder.address], prefills=[family_stack.prefill.address], decodes=[doomed.address, family_stack.decode.address])
         gateway = stack.start("gateway-decode-failover", [*args, "--metrics-port", "0"])
         stack.wait_ready([gateway], timeout=120)
         stub = gateway_stub(gateway.address)
-        stream = stub.Generate(_request(2, max_tokens=200), timeout=120)
-        first = await stream.read()
-        assert first.HasField("delta") and first.delta.token_ids
+        # A stream on the doomed decode: the gateway prefers instances whose health it has heard
+        # from, and ties rotate, so within a few tries one lands there.
+        for _ in range(4):
+            stream = stub.Generate(_request(2, max_tokens=200), timeout=120)
+            first = await stream.read()
+            assert first.HasField("delta") and first.delta.token_ids
+            if scrape(doomed.metrics_port).get("epd_requests_in_flight{service=decode}") == 1.0:
+                break
+            stream.cancel()
+        else:
+            pytest.fail("no stream reached the doomed decode in 4 tries")
         doomed.kill()
         killed = time.monotonic()
         with pytest.raises(grpc.aio.AioRpcError) as ended:
