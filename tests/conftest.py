@@ -158,9 +158,10 @@ def _family_of(item) -> str:
 # pytest's verdict is final once it has reported. CI once saw this process die by SIGSEGV (exit
 # 139) after "443 passed": a crash in the interpreter's own teardown, where native libraries
 # loaded here for the in-process tests (UCX through NIXL, gRPC's core, torch) run their
-# destructors while their threads may still run. It has not been seen again (the tests now
-# also close their gRPC channels), and -X faulthandler in scripts/test.sh would name the thread
-# if it ever happens earlier. So the first atexit callback registered, which runs last, ends the
+# destructors while their threads may still run. Its cause is not known (the tests now close
+# their gRPC channels, the suspect; a local clean-clone run exited normally), and -X faulthandler
+# in scripts/test.sh names the thread of any crash before this point. So the first atexit
+# callback registered, which runs last, ends the
 # process with pytest's status: every Python-level atexit callback has run, only the
 # interpreter's teardown is skipped. Product code runs in the services, whose own stops are tested.
 _pytest_exit_status: list[int] = []

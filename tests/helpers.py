@@ -23,9 +23,9 @@ def gateway_stub(address: str) -> gateway_pb2_grpc.GatewayServiceStub:
 
 
 async def close_channels() -> None:
-    """Closes every channel :func:`gateway_stub` opened, on the loop they belong to. A grpc.aio
-    channel left to the garbage collector after its event loop has closed can crash the
-    interpreter as it exits, after every test has passed (exit 139 in CI)."""
+    """Closes every channel :func:`gateway_stub` opened, on the loop they belong to, rather than
+    leaving them to the garbage collector after that loop has closed (the suspected, unproven
+    cause of a crash at interpreter exit in CI; see conftest)."""
     channels = list(_channels.values())
     _channels.clear()
     await asyncio.gather(*(channel.close() for channel in channels))
