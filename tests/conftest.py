@@ -161,9 +161,9 @@ def _family_of(item) -> str:
 # destructors while their threads may still run. Its cause is not known (the tests now close
 # their gRPC channels, the suspect; a local clean-clone run exited normally), and -X faulthandler
 # in scripts/test.sh names the thread of any crash before this point. So the first atexit
-# callback registered, which runs last, ends the
-# process with pytest's status: every Python-level atexit callback has run, only the
-# interpreter's teardown is skipped. Product code runs in the services, whose own stops are tested.
+# callback registered, which runs last, ends the process with pytest's status: every
+# Python-level atexit callback has run, only the interpreter's teardown is skipped. Product code
+# runs in the services, whose own stops are tested.
 _pytest_exit_status: list[int] = []
 
 
