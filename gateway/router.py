@@ -55,11 +55,8 @@ _WATCH_RETRY_MAX_S = 1.0
 _CHECK_TIMEOUT_S = 2.0
 # Consistent hashing with bounded loads (Mirrokni, Thorup and Zadimoghaddam, 2016): an instance
 # takes a key only while its in-flight calls are under this factor times the mean (after the
-# call), so no instance gets more than ~25% above its share however hot a key is. Plus one call
-# of slack: at low load the mean is below one, and the bare bound would send a repeat away from
-# its owner (and its cache) whenever the owner had a single call running, for a queue of one.
+# call), so no instance gets more than ~25% above its share however hot a key is.
 _LOAD_BOUND = 1.25
-_LOAD_SLACK = 1
 _POINTS_PER_INSTANCE = 64  # virtual nodes: keys spread evenly even over two or three instances
 
 
@@ -217,7 +214,7 @@ class StagePool:
             raise Unavailable(f"no live {self.stage} instance (all {len(self.addresses)} are down or unreachable)")
         candidates = [a for a in live if a not in avoid] or live
         candidates = [a for a in candidates if self._health[a] is Health.SERVING] or candidates
-        bound = math.ceil(_LOAD_BOUND * (sum(self._in_flight[a] for a in candidates) + 1) / len(candidates)) + _LOAD_SLACK
+        bound = math.ceil(_LOAD_BOUND * (sum(self._in_flight[a] for a in candidates) + 1) / len(candidates))
         return next(a for a in candidates if self._in_flight[a] < bound)
 
     def stub(self, address: str):
