@@ -166,7 +166,8 @@ def _offer_to_a_stalled_tier(master: str, metadata: str, results) -> None:
 def test_a_stalled_shared_tier_pins_bounded_bytes_and_slow_lookups_make_it_skipped(tmp_path):
     """Each output waiting to be put pins its fill, which cannot be evicted; with the tier slow
     or gone, the waiting bytes stay under their bound and the rest are not shared (unpinned at
-    once), so the arena never fills with pins. Once puts go through, every pin ends."""
+    once), so the arena never fills with pins. Once puts go through, every pin ends. A lookup
+    slower than the limit is answered, and the next one skips the tier instead of waiting."""
     from epd.launcher import Stack, shared_cache_flags
 
     stack = Stack(tmp_path)
