@@ -77,7 +77,7 @@ class EngineConfig:
     embedding_buffer_bytes: int = 64 * 1024 * 1024  # encoder arena / consumer receive buffer
     arena_slot_bytes: int = 64 * 1024
     lease_ttl_s: float = 60.0
-    encoder_cache_bytes: int = 32 * 1024 * 1024  # encoder: arena bytes published outputs keep for reuse
+    encoder_cache_bytes: int = 32 * 1024 * 1024  # encoder: arena bytes idle published outputs keep for reuse
     shared_cache_master: str = ""  # encoder: the shared tier's Mooncake master (host:port); empty: none
     shared_cache_metadata: str = ""  # encoder: that tier's metadata server (http://host:port/metadata)
     # The service's own TLS files: the consumer fetches encoders' NIXL metadata over gRPC with them.

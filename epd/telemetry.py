@@ -52,7 +52,7 @@ ENCODER_BATCH_ITEMS = Gauge("epd_encoder_batch_items", "Items those steps encode
 RECEIVE_ITEMS = Gauge("epd_receive_buffer_items", "Encoder outputs held in this engine's receive buffer")
 RECEIVE_FREE_PAGES = Gauge("epd_receive_buffer_free_pages", "Free pages of this engine's embedding receive buffer")
 EMBEDDING_LOAD_FAILURES = Gauge("epd_embedding_load_failures", "Embedding loads that failed since the engine started")
-ENCODER_CACHE_BYTES = Gauge("epd_encoder_cache_bytes", "Arena bytes held by published encoder outputs kept for reuse, leased or not")
+ENCODER_CACHE_BYTES = Gauge("epd_encoder_cache_bytes", "Arena bytes held by published encoder outputs kept only for reuse (no lease holds them)")
 EMBEDDING_BYTES_LOADED = Gauge("epd_embedding_bytes_loaded", "Embedding bytes loaded into this engine since it started, by transport", ["transport"])
 
 

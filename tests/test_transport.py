@@ -591,6 +591,31 @@ def test_the_cache_keeps_at_most_its_bytes_and_off_frees_at_once():
     assert off.share("a") is None and off.counters.get("free_slots") == 4 and off.counters.get("cache_bytes") == 0
 
 
+def test_leased_fills_do_not_count_against_the_cache():
+    """In-flight fills would be in the arena with the cache off too: under load they must not
+    squeeze the idle entries out."""
+    arena = EmbeddingArena(torch.zeros(SharedCounters.BYTES + 4 * 1024, dtype=torch.uint8), slot_bytes=1024, lease_ttl_s=60, cache_bytes=1024)
+    in_flight = [_published(arena, key) for key in "ab"]
+    arena.release(_published(arena, "c").lease_id)
+    assert [arena.is_published(k) for k in "abc"] == [True, True, True]
+    assert arena.counters.get("cache_bytes") == 1024 and arena.counters.get("cache_evictions") == 0
+    for lease in in_flight:
+        arena.release(lease.lease_id)  # now idle too: over the cap, the least recently used go
+    assert [arena.is_published(k) for k in "abc"] == [False, True, False]
+    assert arena.counters.get("cache_bytes") == 1024 and arena.counters.get("cache_evictions") == 2
+
+
+def test_a_lease_is_written_only_when_its_own_fill_is(caching_arena):
+    """The key can name a newer published fill than the one a lease holds (the held one was
+    dropped unwritten): whether rows are there to copy is asked per lease."""
+    pending = caching_arena.reserve(1000, "a")
+    sharer = caching_arena.share("a")
+    caching_arena.discard(pending.lease_id)
+    newer = _published(caching_arena, "a")
+    assert caching_arena.is_published("a") and caching_arena.is_written(newer.lease_id)
+    assert not caching_arena.is_written(sharer.lease_id) and sharer.offset != newer.offset
+
+
 def test_a_fill_that_was_not_written_is_never_shared_again(caching_arena):
     pending = caching_arena.reserve(1000, "a")
     sharer = caching_arena.share("a")

@@ -11,8 +11,10 @@ lease (ending a lease needs its id).
 A published fill whose leases have all ended stays in the arena as a cache entry under its key
 (the item's content hash), least recently used first out: a later request for the same item
 gets a new lease on the same fill (:meth:`EmbeddingArena.share`) and the tower does not run
-again. Entries are evicted when a reservation needs their room or when the cache holds more than
-``cache_bytes``; a fill any lease holds is never evicted. A request that arrives while the item
+again. Entries are evicted when a reservation needs their room or when the idle entries hold
+more than ``cache_bytes``; a fill any lease holds is never evicted, and does not count against
+``cache_bytes``: it would be in the arena with the cache off too, so it must not squeeze the
+cache out under load. A request that arrives while the item
 is still being written shares that fill too, so concurrent misses wait for one result.
 
 Each fill gets a random 64-bit generation, written into its slot header and carried (under the
@@ -54,7 +56,11 @@ class _Fill:
     generation: int
     leases: set[str]
     published: bool = False
-    cached_bytes: int = 0  # what it counts against the cache: its slots, once published under a key
+
+    @property
+    def kept(self) -> bool:
+        """Whether it stays as a cache entry once its leases end."""
+        return self.published and self.key is not None
 
 
 class SharedCounters:
@@ -80,7 +86,7 @@ class SharedCounters:
 # <modality>_batches / _batch_items: engine steps that encoded items of the modality, and the
 # items they encoded (cumulative). cache_hits / cache_misses: items served from a fill already
 # there (or being written) / that needed a new one; cache_evictions: cached fills dropped;
-# cache_bytes: the arena bytes that published fills kept for reuse hold, leased or not;
+# cache_bytes: the arena bytes that cache entries no lease holds take;
 # cache_shared_hits / cache_shared_puts: misses served from the shared tier / outputs it took.
 MODALITIES = ("image", "video", "audio")
 ARENA_COUNTERS = (
@@ -109,8 +115,8 @@ class EmbeddingArena:
             counters, the rest is cut into slots.
         slot_bytes: slot size.
         lease_ttl_s: how long a published item stays leased if nobody reads it.
-        cache_bytes: the most arena bytes published fills may keep (0: no cache; each fill's
-            slots are freed as its last lease ends).
+        cache_bytes: the most arena bytes that published fills no lease holds may keep for reuse
+            (0: no cache; each fill's slots are freed as its last lease ends).
         """
         data_bytes = buffer.numel() - SharedCounters.BYTES
         if slot_bytes <= 0 or data_bytes < slot_bytes or lease_ttl_s <= 0 or cache_bytes < 0:
@@ -126,7 +132,7 @@ class EmbeddingArena:
         self._deadlines: collections.OrderedDict[str, float] = collections.OrderedDict()  # one TTL: FIFO is expiry order
         self._by_key: dict[str, _Fill] = {}  # fills a new request may share: being written, or published
         self._idle: collections.OrderedDict[str, _Fill] = collections.OrderedDict()  # published, unleased: LRU first
-        self._cached_bytes = 0
+        self._idle_bytes = 0
         self._lock = threading.Lock()
         self.counters = SharedCounters(buffer, ARENA_COUNTERS)
         self.counters.set("num_slots", self._slots.num_slots)
@@ -177,13 +183,20 @@ class EmbeddingArena:
             fill = self._by_key.get(key)
             if fill is None:
                 return None
-            self._idle.pop(key, None)
+            if self._idle.pop(key, None) is not None:
+                self._idle_bytes -= self._bytes(fill)
             return self._lease(fill)
 
     def is_published(self, key: str) -> bool:
         """Whether a published fill is held under ``key`` (its rows are there to copy)."""
         with self._lock:
             fill = self._by_key.get(key)
+            return fill is not None and fill.published
+
+    def is_written(self, lease_id: str) -> bool:
+        """Whether the lease's own fill is published (its rows are there to copy)."""
+        with self._lock:
+            fill = self._leases.get(lease_id)
             return fill is not None and fill.published
 
     def publish(self, lease_id: str) -> float:
@@ -198,7 +211,7 @@ class EmbeddingArena:
             fill = self._leases.get(lease_id)
             if fill is not None:
                 self._deadlines[lease_id] = time.monotonic() + self._ttl_s
-                self._mark_written(fill)
+                fill.published = True
         return expires_at
 
     def mark_written(self, lease_id: str) -> None:
@@ -207,7 +220,7 @@ class EmbeddingArena:
         with self._lock:
             fill = self._leases.get(lease_id)
             if fill is not None:
-                self._mark_written(fill)
+                fill.published = True
 
     def discard(self, lease_id: str) -> None:
         """Ends a lease whose fill was not written: nobody shares or keeps that fill."""
@@ -235,15 +248,6 @@ class EmbeddingArena:
                 ended += self._end(lease_id)
         return ended
 
-    def _mark_written(self, fill: _Fill) -> None:
-        if not fill.published:
-            fill.published = True
-            if fill.key is not None:
-                fill.cached_bytes = fill.num_slots * self.slot_bytes
-                self._cached_bytes += fill.cached_bytes
-                self._trim()
-            self._publish_counts()
-
     def _lease(self, fill: _Fill) -> Lease:
         lease_id = secrets.token_hex(LEASE_ID_BYTES)
         fill.leases.add(lease_id)
@@ -258,8 +262,9 @@ class EmbeddingArena:
             return False
         fill.leases.discard(lease_id)
         if not fill.leases:
-            if fill.cached_bytes and fill.key is not None:
+            if fill.kept:
                 self._idle[fill.key] = fill
+                self._idle_bytes += self._bytes(fill)
                 self._trim()
             else:
                 self._free(fill)
@@ -267,21 +272,24 @@ class EmbeddingArena:
         return True
 
     def _trim(self) -> None:
-        while self._cached_bytes > self._cache_bytes and self._idle:
+        while self._idle_bytes > self._cache_bytes and self._idle:
             self._evict_oldest()
 
     def _evict_oldest(self) -> None:
         _, fill = self._idle.popitem(last=False)
+        self._idle_bytes -= self._bytes(fill)
         self._free(fill)
         self.counters.set("cache_evictions", self.counters.get("cache_evictions") + 1)
 
     def _free(self, fill: _Fill) -> None:
         if fill.key is not None and self._by_key.get(fill.key) is fill:
             del self._by_key[fill.key]
-        self._cached_bytes -= fill.cached_bytes
         self._slots.free(fill.first_slot, fill.num_slots)
+
+    def _bytes(self, fill: _Fill) -> int:
+        return fill.num_slots * self.slot_bytes
 
     def _publish_counts(self) -> None:
         self.counters.set("leases", len(self._leases))
         self.counters.set("free_slots", self._slots.free_slots)
-        self.counters.set("cache_bytes", self._cached_bytes)
+        self.counters.set("cache_bytes", self._idle_bytes)

@@ -169,11 +169,26 @@ class ProducerScheduler:
         return self._arena.is_published(identifier)
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
-        """vLLM took the item as cached: its rows go into the worker's encoder cache."""
+        """vLLM took the item as cached (:meth:`has_cache_item`): its rows go into the worker's
+        encoder cache, from the request's own fill.
+
+        That fill is the published one under the item's key, unless it was dropped unwritten
+        after the request leased it and another fill of the item was published since: the
+        request then moves its lease to that one, never restoring rows nobody wrote.
+        """
         feature = request.mm_features[index]
         reservation = self._requests.get(request.request_id, {}).get(feature.identifier)
-        if reservation is not None and self._arena.is_published(feature.identifier):
-            self._restores.append(Restore(feature.identifier, reservation.lease.offset, reservation.rows, reservation.width, self._dtype))
+        if reservation is None:
+            return
+        if not self._arena.is_written(reservation.lease.lease_id):
+            published = self._arena.share(feature.identifier)
+            if published is None or not self._arena.is_written(published.lease_id):
+                if published is not None:
+                    self._arena.release(published.lease_id)
+                return  # evicted in between: the slot stays unwritten and the item fails at publish
+            self._arena.release(reservation.lease.lease_id)
+            reservation.lease, reservation.cached = published, True
+        self._restores.append(Restore(feature.identifier, reservation.lease.offset, reservation.rows, reservation.width, self._dtype))
 
     def take_unavailable_requests(self) -> set[str]:
         unavailable, self._unavailable = self._unavailable, set()
@@ -187,7 +202,7 @@ class ProducerScheduler:
             Save(request_id, mm_hash, r.lease.offset, r.lease.generation, r.rows, r.width, self._dtype)
             for request_id in scheduler_output.num_scheduled_tokens
             for mm_hash, r in self._requests.get(request_id, {}).items()
-            if not self._arena.is_published(mm_hash)
+            if not self._arena.is_written(r.lease.lease_id)
         ]
 
     def take_restores(self) -> list[Restore]:
