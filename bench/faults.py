@@ -78,6 +78,19 @@ def _start(stack: Stack, model: str) -> dict[str, ServiceProcess]:
     return services
 
 
+_LATE_KV_READS = "vllm:nixl_num_notifications_after_expiry_total"
+
+
+def _late_kv_reads(services: dict[str, ServiceProcess]) -> dict[str, tuple[ServiceProcess, float]]:
+    """Per prefill, the decodes' READs that vLLM saw end after the KV lease had run out (the
+    blocks might hold another request's KV by then)."""
+    return {
+        name: (service, sum(v for k, v in scrape(service.metrics_port).items() if k.startswith(_LATE_KV_READS)))
+        for name, service in services.items()
+        if name.startswith("prefill")
+    }
+
+
 def _first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
@@ -89,6 +102,8 @@ def _restart_args(victim: ServiceProcess, stage: str, model: str) -> list[str]:
 
 async def _scenario(stack: Stack, services: dict[str, ServiceProcess], stage: str, model: str, stub, requests, expected: dict, load_s: float) -> dict[str, Any]:
     gateway, victim = services["gateway"], services[f"{stage}1"]
+    late_before = _late_kv_reads(services)
+    retries_before = scrape(gateway.metrics_port).get("epd_gateway_retries_total{stage=kv_lease}", 0.0)
     log: list[Sent] = []
     stop = asyncio.Event()
     load = asyncio.create_task(closed_loop(stub, requests, CONCURRENCY, log, until=stop.is_set))
@@ -109,6 +124,8 @@ async def _scenario(stack: Stack, services: dict[str, ServiceProcess], stage: st
         await asyncio.sleep(load_s)
     stop.set()
     await load
+    # A restarted prefill counts from 0; the killed one's count is lost with it.
+    late_reads = sum(n - (late_before[name][1] if late_before[name][0] is service else 0.0) for name, (service, n) in _late_kv_reads(services).items())
     failed = [s for s in log if not s.record.ok]
     wrong = [s for s in log if s.record.ok and list(s.record.token_ids) != expected[s.index]]
     after_kill = [s for s in log if s.started > killed_at]
@@ -122,6 +139,8 @@ async def _scenario(stack: Stack, services: dict[str, ServiceProcess], stage: st
         first_success_after_kill_s=None if first_success is None else first_success - killed_at,
         e2el_ms=summarize([s.record.e2el_s * 1e3 for s in log if s.record.ok]),
         wrong_tokens=len(wrong),
+        late_kv_reads=late_reads,
+        kv_lease_retries=scrape(gateway.metrics_port).get("epd_gateway_retries_total{stage=kv_lease}", 0.0) - retries_before,
         # Where they differ (to tell a fault's effect from batch-dependent rounding): the
         # request, when it started relative to the kill, and the first differing position.
         wrong_examples=[

@@ -220,6 +220,7 @@ class KvHandoff:
     remote_num_tokens: int
     tp_size: int
     extra_params: dict[str, Any] = field(default_factory=dict)
+    expires_at_unix_ms: int = 0  # when the prefill frees the blocks unless a decode extends the lease; 0: unknown
 
 
 @dataclass(frozen=True)

@@ -78,6 +78,14 @@ class Unavailable(EpdError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class Aborted(EpdError):
+    """The request lost a race it cannot win by waiting (a prefill's KV lease ran out before a
+    decode took it): run again from the start, it may succeed. The gateway does so before the
+    first token."""
+
+    code = grpc.StatusCode.ABORTED
+
+
 class ResourceExhausted(EpdError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
@@ -152,6 +160,8 @@ def from_rpc_error(error: grpc.aio.AioRpcError, *, peer: str, deadline: float | 
         return ResourceExhausted(message)
     if code == grpc.StatusCode.FAILED_PRECONDITION:
         return FailedPrecondition(message)
+    if code == grpc.StatusCode.ABORTED:
+        return Aborted(message)
     if code == grpc.StatusCode.UNIMPLEMENTED:
         return Unimplemented(message)
     if code == grpc.StatusCode.DEADLINE_EXCEEDED:

@@ -446,6 +446,7 @@ def kv_handoff_to_wire(kv: KvHandoff) -> engine_pb2.KvHandoff:
         remote_request_id=kv.remote_request_id,
         remote_num_tokens=kv.remote_num_tokens,
         tp_size=kv.tp_size,
+        expires_at_unix_ms=kv.expires_at_unix_ms,
     )
     if kv.extra_params:
         msg.extra_params.update(kv.extra_params)
@@ -479,6 +480,7 @@ def kv_handoff_from_wire(msg: engine_pb2.KvHandoff) -> KvHandoff:
         remote_num_tokens=msg.remote_num_tokens,
         tp_size=msg.tp_size,
         extra_params=_integral_floats_to_int(json_format.MessageToDict(msg.extra_params)) if msg.HasField("extra_params") else {},
+        expires_at_unix_ms=msg.expires_at_unix_ms,
     )
 
 

@@ -327,6 +327,7 @@ _HTTP_STATUS = {
     grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
     grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
     grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),
+    grpc.StatusCode.ABORTED: (409, "server_error"),  # a race lost (KV lease ran out): retrying may succeed
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.UNIMPLEMENTED: (501, "server_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "server_error"),

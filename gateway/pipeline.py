@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 
 from epd import telemetry, wire
 from epd.domain import EncodedItem, EngineRequest, FinishReason, GenerateRequest, KvHandoff
-from epd.errors import FieldViolation, InvalidArgument, Unavailable
+from epd.errors import Aborted, FieldViolation, InvalidArgument, Unavailable
 from epd.media import MediaLimits, check_modalities, check_sizes_and_types
 from epd.media.decode import MediaDecoder, vllm_input
 from epd.prompt import PromptRenderer
@@ -185,14 +185,16 @@ class DisaggregatedPipeline:
                     async for event in events:
                         yield event
                 return
-            except Unavailable as exc:
+            except (Unavailable, Aborted) as exc:
+                # Aborted: the prefill's KV lease ran out before a decode took it (a busy host);
+                # no instance is to blame, so none is avoided on the next try.
                 if clock.tokens:
                     raise Unavailable(f"{exc.message} (after {clock.tokens} tokens were sent)") from exc
                 delay = self.retry.delay(attempt)
                 left = time_left(deadline)
                 if attempt == self.retry.max_attempts or (left is not None and left <= delay):
                     raise
-                stage = getattr(exc, "stage", "routing")
+                stage = getattr(exc, "stage", "kv_lease" if isinstance(exc, Aborted) else "routing")
                 if isinstance(exc, StageFailed):
                     avoid.add(exc.address)
                 logger.warning("request %s: attempt %d failed before its first token (%s); retrying", request.request_id, attempt, exc.message)

@@ -25,10 +25,15 @@ from collections.abc import AsyncIterator
 
 from epd.domain import EncodedItem, EngineRequest, InlineEmbedding, KvHandoff
 from epd.engine import Engine, EngineRole, EngineStep, RenderedPrompt, kv_params_for_decode, kv_params_for_prefill
-from epd.errors import FailedPrecondition, FieldViolation, InvalidArgument, Unavailable
+from epd.errors import Aborted, FailedPrecondition, FieldViolation, InvalidArgument, Unavailable
 from epd.media import MediaLimits
 from epd.mm_items import batch_fields, vllm_fields
 from epd.transport.ec_params import ExpectedItem, expected_to_params
+
+# A decode engine keeps a prefill's KV lease alive with heartbeats, the first one an engine step
+# plus up to one heartbeat interval (a sixth of the lease) after it takes the request, and later
+# if it must handshake with that prefill first. A handoff with less than this left is refused.
+_KV_TAKE_MARGIN_S = 3.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +64,11 @@ class EngineStage:
             last = step
         if last is None or last.kv_handoff is None or not last.token_ids:
             raise Unavailable("prefill engine finished without a KV handoff")
-        return PrefillResult(last.token_ids[0], last.kv_handoff, last.prompt_token_count, time.perf_counter() - started)
+        # The lease started in the engine core a moment before this output reached us: the
+        # stamp is that moment late, which the decode's margin (_KV_TAKE_MARGIN_S) covers.
+        expires_at_unix_ms = int((time.time() + self.engine.config.kv_lease_s) * 1000)
+        handoff = dataclasses.replace(last.kv_handoff, expires_at_unix_ms=expires_at_unix_ms)
+        return PrefillResult(last.token_ids[0], handoff, last.prompt_token_count, time.perf_counter() - started)
 
     async def decode(self, request: EngineRequest) -> AsyncIterator[EngineStep]:
         """Streams the reply: from a KV handoff (decode), or the whole generation (combined)."""
@@ -69,6 +78,7 @@ class EngineStage:
         prompt = await self._prompt(request)
         kv_params = None
         if request.kv_handoff is not None:
+            _check_lease_left(request.kv_handoff)
             if not self._used_handoffs.first_use(request.kv_handoff):
                 raise FailedPrecondition(
                     f"kv_handoff for prefill request {request.kv_handoff.remote_request_id!r} was already decoded or released here: a handoff is good for one decode"
@@ -177,6 +187,25 @@ class UsedHandoffs:
         if len(self._seen) > self._capacity:
             self._seen.popitem(last=False)
         return True
+
+
+def _check_lease_left(handoff: KvHandoff) -> None:
+    """Refuses a handoff whose KV the prefill frees (or has freed) before this decode could
+    extend the lease: vLLM's READ would then go ahead silently, into blocks that may hold another
+    request's KV by then, and decode from it. A busy host delays every hop between prefill and
+    decode; this turns such a delay into a retry instead of wrong tokens.
+
+    Raises:
+        Aborted: too little of the lease is left; the gateway runs the request again.
+    """
+    if not handoff.expires_at_unix_ms:
+        return
+    left_s = handoff.expires_at_unix_ms / 1000 - time.time()
+    if left_s < _KV_TAKE_MARGIN_S:
+        raise Aborted(
+            f"kv_handoff: the KV of prefill request {handoff.remote_request_id!r} is freed {left_s:+.1f} s from now, under the "
+            f"{_KV_TAKE_MARGIN_S:g} s this decode needs to extend its lease (the request waited too long between prefill and decode); run it again"
+        )
 
 
 async def _check_resolvable(handoff: KvHandoff, timeout_s: float = 5.0) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import grpc
 import pytest
@@ -134,6 +135,23 @@ async def test_a_forged_kv_handoff_sent_straight_to_decode_is_invalid_argument(f
     assert violations(info.value) == [field]
 
 
+async def test_a_kv_handoff_whose_lease_runs_out_is_aborted_before_the_engine_reads(family_stack):
+    """A decode that gets a handoff too late (the prefill frees the blocks within the decode's
+    margin, or has freed them) would READ blocks that may hold another request's KV by then,
+    silently: refused with ABORTED (the gateway runs the request again), the service still ready."""
+    async with grpc.aio.insecure_channel(family_stack.decode.address) as channel:
+        stub = decode_pb2_grpc.DecodeServiceStub(channel)
+        for left_ms in (-60_000, 1_000):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                async for _ in stub.Decode(_forged_decode(expires_at_unix_ms=int(time.time() * 1000) + left_ms), timeout=30):
+                    pass
+            assert info.value.code() == grpc.StatusCode.ABORTED, info.value.details()
+            assert "kv_handoff" in info.value.details() and "run it again" in info.value.details()
+    parts = [(PNG, "image/png"), "Describe it."]
+    oracle = await generate(family_stack.gateway_stub("monolithic"), chat_request(parts, max_tokens=4), timeout=120)
+    assert (await generate(family_stack.gateway_stub("epd"), chat_request(parts, max_tokens=4), timeout=120)).token_ids == oracle.token_ids
+
+
 async def test_a_kv_handoff_is_good_for_one_decode(family_stack):
     """Once decoded (the prefill then frees its blocks, which may come to hold another
     request's KV) or released, a handoff sent again is refused before the engine reads it."""
@@ -148,7 +166,10 @@ async def test_a_kv_handoff_is_good_for_one_decode(family_stack):
 
     async with grpc.aio.insecure_channel(family_stack.decode.address) as channel:
         stub = decode_pb2_grpc.DecodeServiceStub(channel)
+        before_ms = time.time() * 1000
         decoded = decode_request(*await prefill_directly(family_stack, parts))
+        # The prefill stamps when it frees the blocks: its lease (--kv-lease-s, 10 s) from the end.
+        assert before_ms + 10_000 <= decoded.kv_handoff.expires_at_unix_ms <= time.time() * 1000 + 10_000
         assert [t async for r in stub.Decode(decoded, timeout=60) for t in r.token_ids] == oracle.token_ids
         prefill, response = await prefill_directly(family_stack, parts)
         await stub.ReleaseKv(decode_pb2.ReleaseKvRequest(request_id="released", kv_handoff=response.kv_handoff), timeout=10)

@@ -1,6 +1,6 @@
 """Stage routing (pure logic; channels never connect): least in-flight first, ties rotate,
 instances known to serve first, down instances never, ones that failed a request last; keyed
-work by consistent hashing with bounded load."""
+work by consistent hashing with bounded load; a request retried when its KV lease ran out."""
 
 from __future__ import annotations
 
@@ -10,9 +10,15 @@ import time
 
 import pytest
 
-from epd.errors import Unavailable
+from epd import wire
+from epd.client import chat_request
+from epd.domain import FinishReason, KvHandoff
+from epd.errors import Aborted, Unavailable
+from epd.media import MediaLimits
 from epd.v1 import encoder_pb2_grpc
+from gateway.pipeline import Delta, DisaggregatedPipeline, Mode
 from gateway.router import Health, RetryPolicy, StagePool
+from gateway.stages import DecodeEnd, DecodeStep
 
 
 def _pool(addresses, on_change=None) -> StagePool:
@@ -202,3 +208,46 @@ async def test_releasing_leases_on_an_encoder_that_left_is_logged_not_raised(cap
     finally:
         await pool.close()
     assert "could not release 1 leases on 127.0.0.9:50051" in caplog.text
+
+
+class _KvLeaseRunsOutOnce:
+    """Stand-in prefill and decode clients (pure orchestration; no channel): the first decode
+    finds the prefill's KV lease run out, as a decode on a starved host does."""
+
+    def __init__(self) -> None:
+        self.prefills: list[str] = []
+        self.released: list[KvHandoff] = []
+        self.pool = self
+
+    async def close(self) -> None:
+        pass
+
+    async def prefill(self, request, deadline, avoid) -> KvHandoff:
+        self.prefills.append(request.request_id)
+        return KvHandoff(f"prefill-{len(self.prefills)}", ((1,),), "127.0.0.1", 5600, "r", 3, 1)
+
+    async def decode(self, request, deadline, avoid):
+        assert not avoid  # an expired lease is nobody's fault: no instance is avoided
+        if request.kv_handoff.remote_engine_id == "prefill-1":
+            raise Aborted("kv_handoff: the KV is freed -1.0 s from now; run it again")
+        yield DecodeStep([7, 8], "ab", 3)
+        yield DecodeEnd(FinishReason.LENGTH, 3)
+
+    async def release_kv(self, request_id, handoff, avoid) -> None:
+        self.released.append(handoff)
+
+    async def release(self, leases) -> None:
+        pass  # a text-only request holds no embedding leases
+
+
+async def test_a_kv_lease_that_ran_out_is_prefilled_again_and_released():
+    stages = _KvLeaseRunsOutOnce()
+    renderer = type("Renderer", (), {"render": lambda self, messages: [1, 2, 3]})()
+    pipeline = DisaggregatedPipeline(
+        Mode.EPD, renderer, MediaLimits(), stages, stages, stages, retry=RetryPolicy(max_attempts=2, retry_backoff_s=0.001)
+    )
+    request = wire.generate_request_from_wire(chat_request(["hello"], max_tokens=2))
+    events = [event async for event in pipeline.generate(request, deadline=None)]
+    assert [e.token_ids for e in events if isinstance(e, Delta)] == [[7, 8]]
+    assert stages.prefills == [request.request_id] * 2
+    assert [h.remote_engine_id for h in stages.released] == ["prefill-1"]  # the first try's KV, not waiting for its lease

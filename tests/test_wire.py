@@ -162,7 +162,9 @@ def _handoff(**changes):
 
 
 def test_a_well_formed_kv_handoff_is_taken():
-    assert wire.kv_handoff_from_wire(_handoff()).remote_block_groups == ((1, 2),)
+    taken = wire.kv_handoff_from_wire(_handoff(expires_at_unix_ms=1_800_000_000_123))
+    assert taken.remote_block_groups == ((1, 2),) and taken.expires_at_unix_ms == 1_800_000_000_123
+    assert wire.kv_handoff_to_wire(taken) == _handoff(expires_at_unix_ms=1_800_000_000_123)
 
 
 @pytest.mark.parametrize(("changes", "field"), [
