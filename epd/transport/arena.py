@@ -14,8 +14,8 @@ gets a new lease on the same fill (:meth:`EmbeddingArena.share`) and the tower d
 again. Entries are evicted when a reservation needs their room or when the idle entries hold
 more than ``cache_bytes``; a fill any lease holds is never evicted, and does not count against
 ``cache_bytes``: it would be in the arena with the cache off too, so it must not squeeze the
-cache out under load. A request that arrives while the item
-is still being written shares that fill too, so concurrent misses wait for one result.
+cache out under load. A request that arrives while the item is still being written shares that
+fill too, so concurrent misses wait for one result.
 
 Each fill gets a random 64-bit generation, written into its slot header and carried (under the
 location's tag) in every location of the fill: a reader that finds another generation after its
