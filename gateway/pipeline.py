@@ -196,7 +196,7 @@ class DisaggregatedPipeline:
                     raise
                 stage = getattr(exc, "stage", "kv_lease" if isinstance(exc, Aborted) else "routing")
                 if isinstance(exc, StageFailed):
-                    avoid.add(exc.address)
+                    avoid |= exc.suspects
                 logger.warning("request %s: attempt %d failed before its first token (%s); retrying", request.request_id, attempt, exc.message)
                 telemetry.RETRIES.labels(stage=stage).inc()
                 await asyncio.sleep(delay)
@@ -206,6 +206,7 @@ class DisaggregatedPipeline:
     ) -> AsyncIterator[Event]:
         leases = Leases()
         handoff: KvHandoff | None = None
+        prefill_address = ""  # the instance holding the handoff's KV
         decode_answered = False
         completed = False
         try:
@@ -222,18 +223,25 @@ class DisaggregatedPipeline:
             engine_request = EngineRequest(request.request_id, tuple(prompt_ids), tuple(items), request.sampling)
             if self.prefills is not None:
                 started = time.perf_counter()
-                handoff = await self.prefills.prefill(engine_request, deadline, avoid)
+                handoff, prefill_address = await self.prefills.prefill(engine_request, deadline, avoid)
                 clock.timings.prefill = time.perf_counter() - started
                 engine_request = dataclasses.replace(engine_request, kv_handoff=handoff)
             clock.decoding()
-            async for event in self.decodes.decode(engine_request, deadline, avoid):
-                decode_answered = True  # its engine has read the KV: vLLM frees it from here on
-                clock.prompt_tokens = event.prompt_token_count
-                if isinstance(event, DecodeEnd):
-                    yield Finished(event.reason, clock.usage(), clock.finish())
-                    continue
-                clock.token(len(event.token_ids))
-                yield Delta(event.token_ids, event.text)
+            try:
+                async for event in self.decodes.decode(engine_request, deadline, avoid):
+                    decode_answered = True  # its engine has read the KV: vLLM frees it from here on
+                    clock.prompt_tokens = event.prompt_token_count
+                    if isinstance(event, DecodeEnd):
+                        yield Finished(event.reason, clock.usage(), clock.finish())
+                        continue
+                    clock.token(len(event.token_ids))
+                    yield Delta(event.token_ids, event.text)
+            except StageFailed as exc:
+                if prefill_address and not decode_answered:
+                    # A decode that fails before answering most often could not pull the KV: the
+                    # prefill holding it may be the instance that is gone, not the decode.
+                    exc.suspects.add(prefill_address)
+                raise
             completed = True
         finally:
             if not completed:

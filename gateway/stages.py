@@ -49,6 +49,7 @@ class StageFailed(Unavailable):
         super().__init__(message)
         self.stage = stage
         self.address = address
+        self.suspects = {address}  # instances the request's next try avoids
 
 
 def _stage_error(pool: StagePool, address: str, exc: grpc.aio.AioRpcError, deadline: float | None) -> EpdError:
@@ -136,14 +137,15 @@ class PrefillClient:
     def __init__(self, pool: StagePool):
         self.pool = pool
 
-    async def prefill(self, request: EngineRequest, deadline: float | None, avoid: frozenset[str] = frozenset()) -> KvHandoff:
+    async def prefill(self, request: EngineRequest, deadline: float | None, avoid: frozenset[str] = frozenset()) -> tuple[KvHandoff, str]:
+        """The KV handoff, and the prefill instance that holds the KV."""
         address = self.pool.pick_for_key(prefix_affinity_key(request), avoid)
         with self.pool.busy(address) as stub, _tracer.start_as_current_span("prefill", kind=SpanKind.CLIENT):
             try:
                 response = await stub.Prefill(wire.prefill_request_to_wire(request), timeout=time_left(deadline), metadata=telemetry.trace_metadata())
             except grpc.aio.AioRpcError as exc:
                 raise _stage_error(self.pool, address, exc, deadline) from exc
-        return wire.kv_handoff_from_wire(response.kv_handoff)
+        return wire.kv_handoff_from_wire(response.kv_handoff), address
 
 
 @dataclasses.dataclass(frozen=True)

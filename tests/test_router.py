@@ -18,7 +18,7 @@ from epd.media import MediaLimits
 from epd.v1 import encoder_pb2_grpc
 from gateway.pipeline import Delta, DisaggregatedPipeline, Mode
 from gateway.router import Health, RetryPolicy, StagePool
-from gateway.stages import DecodeEnd, DecodeStep
+from gateway.stages import DecodeEnd, DecodeStep, StageFailed
 
 
 def _pool(addresses, on_change=None) -> StagePool:
@@ -210,26 +210,27 @@ async def test_releasing_leases_on_an_encoder_that_left_is_logged_not_raised(cap
     assert "could not release 1 leases on 127.0.0.9:50051" in caplog.text
 
 
-class _KvLeaseRunsOutOnce:
-    """Stand-in prefill and decode clients (pure orchestration; no channel): the first decode
-    finds the prefill's KV lease run out, as a decode on a starved host does."""
+class _FirstDecodeFails:
+    """Stand-in stage clients (pure orchestration; no channel): the first decode fails before
+    answering with ``error``; the rest answer."""
 
-    def __init__(self) -> None:
-        self.prefills: list[str] = []
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+        self.prefills: list[frozenset[str]] = []  # what each prefill call was told to avoid
         self.released: list[KvHandoff] = []
         self.pool = self
 
     async def close(self) -> None:
         pass
 
-    async def prefill(self, request, deadline, avoid) -> KvHandoff:
-        self.prefills.append(request.request_id)
-        return KvHandoff(f"prefill-{len(self.prefills)}", ((1,),), "127.0.0.1", 5600, "r", 3, 1)
+    async def prefill(self, request, deadline, avoid) -> tuple[KvHandoff, str]:
+        self.prefills.append(avoid)
+        number = len(self.prefills)
+        return KvHandoff(f"prefill-{number}", ((1,),), "127.0.0.1", 5600, "r", 3, 1), f"prefill-{number}:1"
 
     async def decode(self, request, deadline, avoid):
-        assert not avoid  # an expired lease is nobody's fault: no instance is avoided
         if request.kv_handoff.remote_engine_id == "prefill-1":
-            raise Aborted("kv_handoff: the KV is freed -1.0 s from now; run it again")
+            raise self.error
         yield DecodeStep([7, 8], "ab", 3)
         yield DecodeEnd(FinishReason.LENGTH, 3)
 
@@ -240,14 +241,25 @@ class _KvLeaseRunsOutOnce:
         pass  # a text-only request holds no embedding leases
 
 
-async def test_a_kv_lease_that_ran_out_is_prefilled_again_and_released():
-    stages = _KvLeaseRunsOutOnce()
+async def _run_once(stages: _FirstDecodeFails) -> list:
     renderer = type("Renderer", (), {"render": lambda self, messages: [1, 2, 3]})()
-    pipeline = DisaggregatedPipeline(
-        Mode.EPD, renderer, MediaLimits(), stages, stages, stages, retry=RetryPolicy(max_attempts=2, retry_backoff_s=0.001)
-    )
+    pipeline = DisaggregatedPipeline(Mode.EPD, renderer, MediaLimits(), stages, stages, stages, retry=RetryPolicy(max_attempts=2, retry_backoff_s=0.001))
     request = wire.generate_request_from_wire(chat_request(["hello"], max_tokens=2))
-    events = [event async for event in pipeline.generate(request, deadline=None)]
+    return [event async for event in pipeline.generate(request, deadline=None)]
+
+
+async def test_a_kv_lease_that_ran_out_is_prefilled_again_and_released():
+    stages = _FirstDecodeFails(Aborted("kv_handoff: the KV is freed -1.0 s from now; run it again"))
+    events = await _run_once(stages)
     assert [e.token_ids for e in events if isinstance(e, Delta)] == [[7, 8]]
-    assert stages.prefills == [request.request_id] * 2
+    assert stages.prefills == [frozenset(), frozenset()]  # an expired lease is nobody's fault: nothing avoided
     assert [h.remote_engine_id for h in stages.released] == ["prefill-1"]  # the first try's KV, not waiting for its lease
+
+
+async def test_a_decode_failing_before_its_first_token_sends_the_next_try_to_another_prefill_too():
+    """It most often failed to pull the KV because the prefill holding it died (a kill test once
+    spent its last try on that dead prefill, which the gateway had not noticed yet)."""
+    stages = _FirstDecodeFails(StageFailed("decode", "decode-a:1", "engine failed request r-decode (finish reason 'error')"))
+    events = await _run_once(stages)
+    assert [e.token_ids for e in events if isinstance(e, Delta)] == [[7, 8]]
+    assert stages.prefills == [frozenset(), frozenset({"decode-a:1", "prefill-1:1"})]
