@@ -79,6 +79,7 @@ def _start(stack: Stack, model: str) -> dict[str, ServiceProcess]:
 
 
 _LATE_KV_READS = "vllm:nixl_num_notifications_after_expiry_total"
+_KV_LEASE_RETRIES = "epd_gateway_retries_total{stage=kv_lease}"
 
 
 def _late_kv_reads(services: dict[str, ServiceProcess]) -> dict[str, tuple[ServiceProcess, float]]:
@@ -103,7 +104,7 @@ def _restart_args(victim: ServiceProcess, stage: str, model: str) -> list[str]:
 async def _scenario(stack: Stack, services: dict[str, ServiceProcess], stage: str, model: str, stub, requests, expected: dict, load_s: float) -> dict[str, Any]:
     gateway, victim = services["gateway"], services[f"{stage}1"]
     late_before = _late_kv_reads(services)
-    retries_before = scrape(gateway.metrics_port).get("epd_gateway_retries_total{stage=kv_lease}", 0.0)
+    retries_before = scrape(gateway.metrics_port).get(_KV_LEASE_RETRIES, 0.0)
     log: list[Sent] = []
     stop = asyncio.Event()
     load = asyncio.create_task(closed_loop(stub, requests, CONCURRENCY, log, until=stop.is_set))
@@ -140,7 +141,7 @@ async def _scenario(stack: Stack, services: dict[str, ServiceProcess], stage: st
         e2el_ms=summarize([s.record.e2el_s * 1e3 for s in log if s.record.ok]),
         wrong_tokens=len(wrong),
         late_kv_reads=late_reads,
-        kv_lease_retries=scrape(gateway.metrics_port).get("epd_gateway_retries_total{stage=kv_lease}", 0.0) - retries_before,
+        kv_lease_retries=scrape(gateway.metrics_port).get(_KV_LEASE_RETRIES, 0.0) - retries_before,
         # Where they differ (to tell a fault's effect from batch-dependent rounding): the
         # request, when it started relative to the kill, and the first differing position.
         wrong_examples=[
