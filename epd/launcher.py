@@ -44,7 +44,9 @@ class ServiceProcess:
         self.name = name
         self.host = host
         self.log_path = log_dir / f"{name}.log"
-        self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in stop()
+        # O_APPEND: the service writes its stderr here itself, and _read_stdout adds its other
+        # stdout lines (vLLM logs to stdout, its engine core included); whole writes interleave.
+        self._log = os.fdopen(os.open(self.log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o644), "w")
         self.port: int | None = None
         self.metrics_port: int | None = None
         self.http_port: int | None = None  # a gateway's OpenAI-compatible front, when it has one
@@ -73,6 +75,9 @@ class ServiceProcess:
                 self.announced = info
             elif line.startswith("EPD_READY "):
                 self.ready.set()
+            else:
+                self._log.write(line)
+                self._log.flush()
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -109,6 +114,7 @@ class ServiceProcess:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)
         self.process.wait()
+        self._reader.join(timeout=5)  # the group is gone, so its stdout is at EOF
         self._log.close()
 
 
