@@ -23,6 +23,7 @@ import enum
 import functools
 import logging
 import os
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -287,12 +288,15 @@ class Engine:
                         # vLLM's "error": the engine failed this request alone, e.g. an embedding
                         # or KV load that did not complete. Retryable, never a silent empty reply.
                         raise Unavailable(f"engine failed request {request_id} (finish reason {completion.finish_reason!r})")
+                kv_handoff = kv_handoff_from_engine(output.kv_transfer_params) if finished else None
+                if kv_handoff is not None:
+                    kv_handoff = dataclasses.replace(kv_handoff, expires_at_unix_ms=self._kv_lease_end_ms(output))
                 yield EngineStep(
                     token_ids=list(completion.token_ids),
                     text=completion.text,
                     prompt_token_count=len(output.prompt_token_ids or ()),
                     finish_reason=reason,
-                    kv_handoff=kv_handoff_from_engine(output.kv_transfer_params) if finished else None,
+                    kv_handoff=kv_handoff,
                     ec_transfer_params=output.ec_transfer_params if finished else None,
                 )
         except VLLMClientError as exc:
@@ -305,6 +309,18 @@ class Engine:
         finally:
             if not finished:
                 await self._llm.abort(request_id)
+
+    def _kv_lease_end_ms(self, output) -> int:
+        """When this prefill frees a finished request's KV unless a decode extends the lease.
+
+        The lease starts in the engine core as the request finishes, which on a starved host can
+        be seconds before its output reaches this process; stamping on arrival would promise the
+        decode time that is already gone. vLLM stamps each output batch with the engine core's
+        ``time.monotonic()``, a clock every process on the host shares, so the age is exact.
+        """
+        metrics = output.metrics  # None only if vLLM's stats are off; then the arrival is the best bound
+        finished_ago_s = max(0.0, time.monotonic() - metrics.last_token_ts) if metrics is not None and metrics.last_token_ts else 0.0
+        return int((time.time() - finished_ago_s + self.config.kv_lease_s) * 1000)
 
     async def release_kv(self, request_id: str, handoff: KvHandoff) -> None:
         """Has the prefill engine free a handoff's KV blocks without reading them (KV consumers).

@@ -64,11 +64,7 @@ class EngineStage:
             last = step
         if last is None or last.kv_handoff is None or not last.token_ids:
             raise Unavailable("prefill engine finished without a KV handoff")
-        # The lease started in the engine core a moment before this output reached us: the
-        # stamp is that moment late, which the decode's margin (_KV_TAKE_MARGIN_S) covers.
-        expires_at_unix_ms = int((time.time() + self.engine.config.kv_lease_s) * 1000)
-        handoff = dataclasses.replace(last.kv_handoff, expires_at_unix_ms=expires_at_unix_ms)
-        return PrefillResult(last.token_ids[0], handoff, last.prompt_token_count, time.perf_counter() - started)
+        return PrefillResult(last.token_ids[0], last.kv_handoff, last.prompt_token_count, time.perf_counter() - started)
 
     async def decode(self, request: EngineRequest) -> AsyncIterator[EngineStep]:
         """Streams the reply: from a KV handoff (decode), or the whole generation (combined)."""

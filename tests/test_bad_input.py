@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
+import types
 
 import grpc
 import pytest
 
 from epd.client import chat_request, generate
+from epd.engine import Engine, EngineConfig, EngineRole
 from epd.testing import synthetic_image_png, synthetic_video
 from epd.v1 import common_pb2, decode_pb2, decode_pb2_grpc, engine_pb2, gateway_pb2, multimodal_pb2
 from tests.helpers import encode_then_prefill, prefill_directly, violations, wait_for_metric
@@ -150,6 +152,18 @@ async def test_a_kv_handoff_whose_lease_runs_out_is_aborted_before_the_engine_re
     parts = [(PNG, "image/png"), "Describe it."]
     oracle = await generate(family_stack.gateway_stub("monolithic"), chat_request(parts, max_tokens=4), timeout=120)
     assert (await generate(family_stack.gateway_stub("epd"), chat_request(parts, max_tokens=4), timeout=120)).token_ids == oracle.token_ids
+
+
+def test_the_kv_lease_stamp_counts_from_when_the_engine_core_finished():
+    """A prefill output that reached the service seconds after the engine core finished it
+    (a starved host) promises the decode only the lease that is left, not a full one."""
+    engine = Engine(EngineConfig(model="unused", role=EngineRole.PREFILL, kv_lease_s=10))
+    late = types.SimpleNamespace(metrics=types.SimpleNamespace(last_token_ts=time.monotonic() - 4.0))
+    before_ms = int(time.time() * 1000)
+    stamp_ms = engine._kv_lease_end_ms(late)
+    assert before_ms + 6_000 - 50 <= stamp_ms <= time.time() * 1000 + 6_000
+    # vLLM's stats off: no engine-core time, so the arrival is the bound.
+    assert engine._kv_lease_end_ms(types.SimpleNamespace(metrics=None)) >= before_ms + 10_000
 
 
 async def test_a_kv_handoff_is_good_for_one_decode(family_stack):
