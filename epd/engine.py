@@ -116,6 +116,11 @@ _FINISH = {
 # When an idle KV consumer steps again after a release (see Engine.release_kv): a handshake
 # with a new prefill takes milliseconds to a few hundred on a loaded host.
 _RELEASE_NUDGES_S = (0.2, 0.5, 1.0, 2.0)
+# A decode's NixlConnector reads kv_lease_duration only to pace the heartbeats that extend the
+# prefills' leases on its queued and reading requests: a sixth of it, here 0 s, so every engine
+# step sends them. The first one must reach the prefill before the lease it was handed runs out,
+# and on a busy host each engine step can take seconds, so no step is skipped.
+_DECODE_HEARTBEAT_EVERY_STEP = 1
 _KV_TYPED_KEYS = ("remote_engine_id", "remote_block_ids", "remote_host", "remote_port", "remote_request_id", "remote_num_tokens", "tp_size")
 # Per-request flags that the decode side sets itself; they never travel.
 _KV_ROLE_FLAGS = ("do_remote_prefill", "do_remote_decode")
@@ -145,9 +150,10 @@ class Engine:
         if config.role.kv_role is not None:
             kwargs["kv_transfer_config"] = {
                 "kv_connector": "NixlConnector",
+                "kv_connector_module_path": "epd.transport.kv_connector",  # vLLM's, its NIXL thread idling
                 "kv_role": config.role.kv_role,
                 "kv_buffer_device": "cpu",
-                "kv_connector_extra_config": {"kv_lease_duration": config.kv_lease_s},
+                "kv_connector_extra_config": {"kv_lease_duration": config.kv_lease_s if config.role is EngineRole.PREFILL else _DECODE_HEARTBEAT_EVERY_STEP},
             }
         if config.role.ec_role is not None:
             kwargs["ec_transfer_config"] = self._ec_transfer_config()

@@ -31,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 # The progress thread sleeps in poll() on UCX's event fds, so it wakes as soon as there is work;
 # this is only its fallback wakeup (NIXL rounds it up to whole milliseconds).
-_PROGRESS_WAKEUP_US = 1_000
+PROGRESS_WAKEUP_US = 1_000
 
 XferState = Literal["DONE", "PROC", "ERR"]
 
@@ -57,7 +57,7 @@ class NixlAgent:
         restrict_ucx_devices(bind_host)
         config = nixlb.nixlAgentConfig()
         config.useProgThread = progress_thread
-        config.pthrDelay = _PROGRESS_WAKEUP_US
+        config.pthrDelay = PROGRESS_WAKEUP_US
         config.useListenThread = False
         # Callers publish and reap from different threads, besides NIXL's own two threads.
         config.syncMode = nixlb.NIXL_THREAD_SYNC_STRICT
