@@ -150,7 +150,7 @@ class Engine:
         if config.role.kv_role is not None:
             kwargs["kv_transfer_config"] = {
                 "kv_connector": "NixlConnector",
-                "kv_connector_module_path": "epd.transport.kv_connector",  # vLLM's, its NIXL thread idling
+                "kv_connector_module_path": "epd.transport.kv_connector",  # vLLM's connector, its NIXL thread sleeping when idle
                 "kv_role": config.role.kv_role,
                 "kv_buffer_device": "cpu",
                 "kv_connector_extra_config": {"kv_lease_duration": config.kv_lease_s if config.role is EngineRole.PREFILL else _DECODE_HEARTBEAT_EVERY_STEP},

@@ -24,6 +24,7 @@ from epd.telemetry import scrape
 from epd.testing import synthetic_image_png
 from epd.v1 import decode_pb2, decode_pb2_grpc
 from gateway.router import HashRing
+from tests.conftest import DEFAULT_FAMILY
 from tests.helpers import encode_then_prefill, gateway_stub, prefill_directly, wait_for_metric
 
 _IMAGES = [synthetic_image_png(96 + 16 * i, 96, seed=500 + i) for i in range(4)]
@@ -57,14 +58,32 @@ def _counter(metrics_port: int, name: str) -> float:
     return scrape(metrics_port).get(name, 0.0)
 
 
-async def test_killing_an_encoder_and_a_prefill_under_load_fails_no_request(family_stack):
+@pytest.fixture(scope="module")
+def spares(stacks):
+    """A second encoder, prefill and decode beside the shared stack, for the tests to kill:
+    started together, since engine start-up is most of these tests' time."""
+    family = stacks.get(DEFAULT_FAMILY)
+    stack, model = family.stack, family.model
+    started = {
+        "encoder": stack.start("encoder-spare", ["encoder", "--model", model, "--metrics-port", "0"]),
+        "prefill": stack.start("prefill-spare", ["prefill", "--model", model]),
+        "decode": stack.start("decode-doomed", ["decode", "--model", model, "--mode", "decode", "--metrics-port", "0"]),
+    }
+    try:
+        stack.wait_ready(list(started.values()), timeout=600)
+        yield started
+    finally:
+        for service in started.values():
+            service.stop()
+            stack.services.remove(service)
+
+
+async def test_killing_an_encoder_and_a_prefill_under_load_fails_no_request(family_stack, spares):
     oracle = await _oracle(family_stack)
     stack, model = family_stack.stack, family_stack.model
-    spare_encoder = stack.start("encoder-spare", ["encoder", "--model", model, "--metrics-port", "0"])
-    spare_prefill = stack.start("prefill-spare", ["prefill", "--model", model])
-    extra = [spare_encoder, spare_prefill]
+    spare_encoder, spare_prefill = spares["encoder"], spares["prefill"]
+    extra = []
     try:
-        stack.wait_ready(extra, timeout=600)
         both = gateway_args(
             model,
             "epd",
@@ -141,13 +160,12 @@ async def test_killing_an_encoder_and_a_prefill_under_load_fails_no_request(fami
             stack.services.remove(service)
 
 
-async def test_a_decode_killed_mid_stream_ends_its_stream_and_later_requests_are_served(family_stack):
+async def test_a_decode_killed_mid_stream_ends_its_stream_and_later_requests_are_served(family_stack, spares):
     oracle = await _oracle(family_stack)
     stack, model = family_stack.stack, family_stack.model
-    doomed = stack.start("decode-doomed", ["decode", "--model", model, "--mode", "decode", "--metrics-port", "0"])
+    doomed = spares["decode"]
     gateway = reborn = None
     try:
-        stack.wait_ready([doomed], timeout=600)
         args = gateway_args(model, "epd", encoders=[family_stack.encoder.address], prefills=[family_stack.prefill.address], decodes=[doomed.address, family_stack.decode.address])
         gateway = stack.start("gateway-decode-failover", [*args, "--metrics-port", "0"])
         stack.wait_ready([gateway], timeout=120)
@@ -184,7 +202,7 @@ async def test_a_decode_killed_mid_stream_ends_its_stream_and_later_requests_are
             assert (await generate(stub, _request(i), timeout=120)).token_ids == oracle[i]
         assert scrape(reborn.metrics_port).get("epd_requests_total{code=OK,method=Decode,service=decode}", 0.0) >= 1
     finally:
-        for service in (doomed, reborn, gateway):
+        for service in (reborn, gateway):
             if service is not None:
                 service.stop()
                 stack.services.remove(service)

@@ -30,7 +30,7 @@ pytestmark = pytest.mark.skipif(_WHY_NOT is not None, reason=f"no network namesp
 _HOSTS = ["encoder", "encoder2", "prefill", "decode", "gateway"]
 _ENCODERS = "encoders.epd.test"  # the name the gateway resolves, on its host only
 _PER_ENCODER = 3  # images whose content hash the ring gives to each encoder
-_LOAD_REQUESTS = 60  # at most, two at a time; each phase below ends well before
+_LOAD_REQUESTS = 600  # at most, two at a time (a bound: the phases below stop the load, at about 3 per second)
 _PHASE_TIMEOUT_S = 90.0
 
 
@@ -76,18 +76,21 @@ async def test_epd_across_hosts_streams_the_monolithic_tokens_while_encoders_com
             return scrape(encoder.metrics_port, host=encoder.host).get("epd_encoder_items_total", 0.0)
 
         try:
-            encoder = start("encoder", ["encoder", "--model", model])
-            prefill = start("prefill", ["prefill", "--model", model])
-            decode = start("decode", ["decode", "--model", model, "--mode", "decode"])
-            stack.wait_ready([encoder, prefill, decode], timeout=600)
-            # Instances of one Service share a port, as pods do.
-            encoder2 = start("encoder2", ["encoder", "--model", model, "--port", str(encoder.port)])
-            images = _images_for([encoder.address, f"{hosts.address['encoder2']}:{encoder.port}"])
+            # Each host has ports of its own, so the test can name them and start every service
+            # at once; instances of one Service share a port, as pods do.
+            port = {"encoder": 50051, "encoder2": 50051, "prefill": 50052, "decode": 50053}
+            at = {name: f"{hosts.address[name]}:{number}" for name, number in port.items()}
+            hosts.set_names("gateway", {_ENCODERS: [hosts.address["encoder"]]})
+            encoder = start("encoder", ["encoder", "--model", model, "--port", str(port["encoder"])])
+            encoder2 = start("encoder2", ["encoder", "--model", model, "--port", str(port["encoder2"])])
+            prefill = start("prefill", ["prefill", "--model", model, "--port", str(port["prefill"])])
+            decode = start("decode", ["decode", "--model", model, "--mode", "decode", "--port", str(port["decode"])])
+            encoders = f"dns:///{_ENCODERS}:{port['encoder']}"
+            gateway = start("gateway", gateway_args(model, "epd", encoders=[encoders], prefills=[at["prefill"]], decodes=[at["decode"]]))
+            images = _images_for([at["encoder"], at["encoder2"]])
             monolithic = family_stack.gateway_stub("monolithic")
             oracle = [(await generate(monolithic, _request(images, i), timeout=120)).token_ids for i in range(len(images))]
-            hosts.set_names("gateway", {_ENCODERS: [encoder.host]})
-            gateway = start("gateway", gateway_args(model, "epd", encoders=[f"dns:///{_ENCODERS}:{encoder.port}"], prefills=[prefill.address], decodes=[decode.address]))
-            stack.wait_ready([gateway, encoder2], timeout=600)
+            stack.wait_ready([encoder, encoder2, prefill, decode, gateway], timeout=600)
             stub = gateway_stub(gateway.address)
             for index in range(2):
                 assert (await generate(stub, _request(images, index), timeout=120)).token_ids == oracle[index]

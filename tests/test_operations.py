@@ -14,7 +14,7 @@ from epd.client import chat_request, generate
 from epd.launcher import gateway_args
 from epd.telemetry import scrape
 from epd.testing import synthetic_image_png
-from tests.helpers import gateway_stub
+from tests.helpers import gateway_stub, wait_for_metric
 
 SERVICES = {
     "encoder": "epd.v1.EncoderService",
@@ -129,3 +129,21 @@ async def test_readiness_follows_the_engine(family_stack):
                     break
                 await asyncio.sleep(0.5)
         assert all(s == health_pb2.HealthCheckResponse.NOT_SERVING for s in statuses.values()), statuses
+
+
+async def test_idle_services_leave_the_cpu_idle(family_stack):
+    """An engine with nothing to do takes no core: vLLM's KV agent (prefill, decode) once polled
+    UCX without sleeping, a full core each, which starved every engine that had work."""
+    import psutil
+
+    assert await wait_for_metric(family_stack.prefill.metrics_port, "vllm:kv_cache_usage_perc", 0.0, timeout=30) == 0.0  # no KV waiting to be read
+    services = {name: getattr(family_stack, name) for name in SERVICES}
+    trees = {name: [psutil.Process(s.process.pid), *psutil.Process(s.process.pid).children(recursive=True)] for name, s in services.items()}
+
+    def cpu_seconds() -> dict[str, float]:
+        return {name: sum(sum(p.cpu_times()[:2]) for p in tree) for name, tree in trees.items()}
+
+    before, window_s = cpu_seconds(), 3.0
+    await asyncio.sleep(window_s)
+    share = {name: (used - before[name]) / window_s for name, used in cpu_seconds().items()}
+    assert all(used < 0.3 for used in share.values()), share  # of one core; a polling thread is ~1.0
