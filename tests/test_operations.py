@@ -137,8 +137,8 @@ async def test_idle_services_leave_the_cpu_idle(family_stack):
     import psutil
 
     assert await wait_for_metric(family_stack.prefill.metrics_port, "vllm:kv_cache_usage_perc", 0.0, timeout=30) == 0.0  # no KV waiting to be read
-    services = {name: getattr(family_stack, name) for name in SERVICES}
-    trees = {name: [psutil.Process(s.process.pid), *psutil.Process(s.process.pid).children(recursive=True)] for name, s in services.items()}
+    roots = {name: psutil.Process(getattr(family_stack, name).process.pid) for name in SERVICES}
+    trees = {name: [root, *root.children(recursive=True)] for name, root in roots.items()}
 
     def cpu_seconds() -> dict[str, float]:
         return {name: sum(sum(p.cpu_times()[:2]) for p in tree) for name, tree in trees.items()}
