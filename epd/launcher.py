@@ -162,7 +162,8 @@ class Stack:
             yield service
         finally:
             service.stop()
-            self.services.remove(service)
+            if service in self.services:  # not when the whole stack was stopped inside the block
+                self.services.remove(service)
 
     def wait_ready(self, services: list[ServiceProcess], timeout: float = 300) -> None:
         for service in services:

@@ -45,14 +45,13 @@ from epd.server import ServerConfig
 from gateway import openai_wire
 from gateway.media_fetch import MediaFetcher
 from gateway.pipeline import Delta, Event, Finished
+from gateway.run import PipelineRun, RunCancelled
 
 if TYPE_CHECKING:
     from gateway.server import GatewayConfig
 
 logger = logging.getLogger(__name__)
 
-_END = object()
-_CANCELLED = object()
 _SSE_DONE = b"data: [DONE]\n\n"
 # A body may hold the request's media limit in base64 and its text limit JSON-escaped (a
 # \\uXXXX escape is 6 bytes a byte), plus this much for everything else.
@@ -84,40 +83,7 @@ class _ClientGone(Exception):
     pass
 
 
-class _Run:
-    """One chat's pipeline in its own task. :meth:`cancel` is synchronous, so any way out of
-    the HTTP exchange can call it, even where awaiting is no longer possible."""
-
-    def __init__(self, events: AsyncIterator[Event]):
-        self._queue: asyncio.Queue = asyncio.Queue()
-        self._task = asyncio.create_task(self._pump(events))
-
-    async def _pump(self, events: AsyncIterator[Event]) -> None:
-        try:
-            async for event in events:
-                self._queue.put_nowait(event)
-        except asyncio.CancelledError:
-            self._queue.put_nowait(_CANCELLED)
-            raise
-        except Exception as exc:  # noqa: BLE001 - raised to the reader
-            self._queue.put_nowait(exc)
-        else:
-            self._queue.put_nowait(_END)
-
-    async def next(self) -> Event | None:
-        """The next event, None after the last; raises the pipeline's error."""
-        item = await self._queue.get()
-        if item is _CANCELLED:
-            raise _ClientGone
-        if isinstance(item, BaseException):
-            raise item
-        return None if item is _END else item
-
-    def cancel(self) -> None:
-        self._task.cancel()
-
-
-async def _cancel_when_gone(request: Request, run: _Run) -> None:
+async def _cancel_when_gone(request: Request, run: PipelineRun) -> None:
     # The body is read, so the next ASGI message is the disconnect.
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -283,7 +249,7 @@ class OpenAIFront:
             tracker.code = exc.code if isinstance(exc, EpdError) else exc.rpc_code
             tracker.finish()
             raise
-        except _ClientGone:
+        except (_ClientGone, RunCancelled):
             tracker.finish()
             return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
         except BaseException:
@@ -311,7 +277,7 @@ class OpenAIFront:
         generate = await openai_wire.generate_request(chat, chat_id, self._fetcher.fetch_all if self._fetcher else None)
         head = {"id": chat_id, "created": int(time.time()), "model": self.model_id}
         # The client sets no deadline over HTTP; a dropped connection is what ends a chat early.
-        run = _Run(pipeline.generate(generate, None))
+        run = PipelineRun(pipeline.generate(generate, None))
         watch = asyncio.create_task(_cancel_when_gone(request, run))
         try:
             if not chat.stream:
@@ -351,7 +317,7 @@ class OpenAIFront:
             raise HttpError(400, f"the request body is not valid JSON ({exc})", code="invalid_json") from exc
 
 
-async def _completion(chat: openai_wire.ChatCompletionRequest, head: dict, run: _Run) -> dict:
+async def _completion(chat: openai_wire.ChatCompletionRequest, head: dict, run: PipelineRun) -> dict:
     texts: list[str] = []
     token_ids: list[int] = []
     finished = None
@@ -364,7 +330,9 @@ async def _completion(chat: openai_wire.ChatCompletionRequest, head: dict, run: 
     return openai_wire.completion_json(chat, head, "".join(texts), token_ids, finished)
 
 
-async def _chunks(chat: openai_wire.ChatCompletionRequest, head: dict, run: _Run, event: Event | None, tracker: _Tracker) -> AsyncIterator[bytes]:
+async def _chunks(
+    chat: openai_wire.ChatCompletionRequest, head: dict, run: PipelineRun, event: Event | None, tracker: _Tracker
+) -> AsyncIterator[bytes]:
     yield _sse(openai_wire.chunk_json(chat, head, {"role": "assistant", "content": ""}))
     try:
         while event is not None:

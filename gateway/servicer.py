@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 
 from google.protobuf import duration_pb2
@@ -14,15 +13,13 @@ from epd.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
 from epd.rpc import rpc_method
 from epd.v1 import gateway_pb2, gateway_pb2_grpc
 from gateway.pipeline import Delta, Finished, RequestClock
-
-_DONE = object()
-_ABORTED = object()
+from gateway.run import PipelineRun, RunCancelled
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def __init__(self, pipeline) -> None:
         self.pipeline = pipeline
-        self._in_flight: dict[str, asyncio.Task] = {}
+        self._in_flight: dict[str, PipelineRun] = {}
 
     @rpc_method("gateway")
     async def Generate(self, request: gateway_pb2.GenerateRequest, context):
@@ -44,40 +41,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             raise AlreadyExists(f"request_id {generate.request_id!r} is already in flight")
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
-        # The pipeline runs in its own task so that Abort can cancel it while this stream still
-        # sends a final ABORT message; a dropped client cancels it through the finally below.
-        events: asyncio.Queue = asyncio.Queue()
         # The pipeline keeps the request's counts and times in the clock, so an aborted stream
         # still reports them.
         clock = RequestClock()
-        task = asyncio.create_task(self._pump(self.pipeline.generate(generate, deadline, clock), events))
-        self._in_flight[generate.request_id] = task
+        run = PipelineRun(self.pipeline.generate(generate, deadline, clock))
+        self._in_flight[generate.request_id] = run
         try:
-            while (event := await events.get()) is not _DONE:
-                if event is _ABORTED:
-                    yield _event_to_wire(Finished(FinishReason.ABORT, clock.usage(), clock.snapshot()))
-                    break
-                if isinstance(event, BaseException):
-                    raise event
+            while (event := await run.next()) is not None:
                 yield _event_to_wire(event)
+        except RunCancelled:  # by Abort; a dropped client is no longer reading
+            yield _event_to_wire(Finished(FinishReason.ABORT, clock.usage(), clock.snapshot()))
         finally:
             del self._in_flight[generate.request_id]
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-
-    @staticmethod
-    async def _pump(stream, events: asyncio.Queue) -> None:
-        try:
-            async for event in stream:
-                events.put_nowait(event)
-        except asyncio.CancelledError:
-            events.put_nowait(_ABORTED)  # by Abort; a dropped client is no longer reading
-            raise
-        except Exception as exc:  # noqa: BLE001 - re-raised in the RPC handler
-            events.put_nowait(exc)
-        else:
-            events.put_nowait(_DONE)
+            await run.close()
 
     @rpc_method("gateway")
     async def Abort(self, request: gateway_pb2.AbortRequest, context) -> gateway_pb2.AbortResponse:
@@ -92,10 +68,10 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         """
         if not request.request_id:
             raise InvalidArgument.for_field("request_id", "is required")
-        task = self._in_flight.get(request.request_id)
-        if task is None:
+        run = self._in_flight.get(request.request_id)
+        if run is None:
             raise NotFound(f"no in-flight request with id {request.request_id!r}")
-        task.cancel()
+        run.cancel()
         return gateway_pb2.AbortResponse()
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
 
@@ -31,3 +33,40 @@ async def test_abort_of_unknown_request_is_not_found(family_stack):
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await family_stack.gateway_stub("epd").Abort(gateway_pb2.AbortRequest(request_id="never-sent"), timeout=10)
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_a_run_merges_the_deltas_its_reader_has_not_taken_and_reports_its_cancellation():
+    """Pure logic of the gateway's per-request run: a reader slower than the decode gets the
+    backlog as one delta, and a cancelled run says so instead of ending quietly."""
+    from epd.domain import FinishReason
+    from gateway.pipeline import Delta, Finished, Timings, Usage
+    from gateway.run import PipelineRun, RunCancelled
+
+    finished = Finished(FinishReason.LENGTH, Usage(3, 4, 0), Timings())
+
+    async def burst():
+        for token in range(4):
+            yield Delta([token], f"t{token}")
+        yield finished
+
+    run = PipelineRun(burst())
+    await asyncio.sleep(0)  # the pipeline produces everything before the reader looks
+    assert await run.next() == Delta([0, 1, 2, 3], "t0t1t2t3")
+    assert await run.next() == finished
+    assert await run.next() is None
+
+    started = asyncio.Event()
+
+    async def endless():
+        yield Delta([7], "x")
+        started.set()
+        await asyncio.Event().wait()
+        yield Delta([8], "never")
+
+    run = PipelineRun(endless())
+    await started.wait()
+    assert await run.next() == Delta([7], "x")
+    run.cancel()
+    with pytest.raises(RunCancelled):
+        await run.next()
+    await run.close()
