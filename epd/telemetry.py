@@ -84,17 +84,20 @@ class EncoderCacheCollector:
 
 
 def configure_tracing(service_name: str, otlp_endpoint: str | None) -> None:
-    """Installs the global tracer provider for this process."""
+    """Installs the global tracer provider for this process, when there is an endpoint to export
+    to. Without one, OpenTelemetry's default no-op tracer stays: it records nothing, yet still
+    carries the caller's trace context on to the next hop, so a trace stays whole through a
+    service that does not export."""
+    if not otlp_endpoint:
+        return
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
     provider = TracerProvider(resource=Resource.create({"service.name": service_name}))
-    if otlp_endpoint:
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-
-        provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True)))
-        logger.info("exporting traces to %s", otlp_endpoint)
+    provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=otlp_endpoint, insecure=True)))
+    logger.info("exporting traces to %s", otlp_endpoint)
     trace.set_tracer_provider(provider)
 
 
