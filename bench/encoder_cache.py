@@ -1,8 +1,15 @@
 """Encoder-output reuse: a workload where about half the items repeat, as in multi-turn chats.
 
-Every unique image is asked about twice, by two requests with different questions; the repeat
-comes ``REPEAT_AFTER`` requests later, as the next turn of a chat would. One E/P/D deployment of
-the tiny Qwen2.5-VL: one prefill and one decode (both with ``--no-caches``, so that vLLM's prefix
+Every unique image (448-896 px a side) is asked about twice, by two requests with different
+questions; the repeat comes ``REPEAT_AFTER`` requests later, as the next turn of a chat would.
+The checkpoint is the tiny Qwen2.5-VL at the ``costly_tower`` scale (``epd.checkpoints``): the
+tiny language model behind an 8-block, 256-wide vision tower that keeps images at up to 32 x 32
+tokens (896 px a side, as the released Qwen2.5-VL), so one image costs the tower a few hundred
+ms on a 2-core CPU and reuse has something to save. (The tiny checkpoint's tower, 2 blocks of
+width 64 on images cut to at most 64 tokens, costs next to nothing: no cache can show there.)
+``--quick``, the CI smoke run, keeps the tiny checkpoint and 4 images, to stay cheap.
+
+One E/P/D deployment: one prefill and one decode (both with ``--no-caches``, so that vLLM's prefix
 cache does not answer for the encoder), and per cache mode a pair of encoders (one pair at a
 time, to fit the machine's memory) with a gateway per arm:
 
@@ -14,22 +21,31 @@ time, to fit the machine's memory) with a gateway per arm:
 
 Each arm sends its own salted copy of the workload (same pixels, new bytes: no arm's cache can
 serve another's) at most ``CONCURRENCY`` in flight. Reported per arm: TTFT and E2EL
-(mean/median/p99), tower runs (``epd_encoder_batch_items`` over both encoders: the items vLLM
-scheduled for the tower), cache hits, and whether every request's tokens equal the monolithic
-run's.
+(mean/median/p99), the gateway's encode-stage time, tower runs (``epd_encoder_batch_items`` over
+both encoders: the items vLLM scheduled for the tower), EPD cache hits, the items answered by
+neither (vLLM's own encoder cache in the encoder engine), and whether every request's tokens
+equal the monolithic run's (the result also says how many of the monolithic answers differ, so
+the check is seen to depend on the image).
 
-With the cache off, vLLM's own encoder cache in the encoder engine still answers a repeat that
-comes while the output is resident (it frees entries lazily): the tower-run count shows how
-often; here, nearly always (see ``REPEAT_AFTER``). What the arena cache adds is reuse that
-outlives that window and survives vLLM's eviction, and across encoders (the shared tier). A hit
-still pays the encoder's per-request path (media decode, vLLM's processor, one engine step), so
-on this checkpoint, whose tower costs next to nothing, the arms' TTFT differ little.
+"Cache off" turns EPD's encoder-output cache off (``--encoder-cache-bytes 0``), not vLLM's own
+encoder cache in the encoder engine: vLLM 0.32 sizes that one from ``max_num_batched_tokens``
+(2048 embeddings here, at least one largest item; ``SchedulerConfig.encoder_cache_size`` is not
+configurable) and frees entries lazily, so it answers a repeat whose output is still resident.
+EPD exposes neither that size nor vLLM's ``ec_manager_config`` (a custom manager class), so the
+arm runs with it as deployed, and the table counts the repeats it answered. With the costly
+tower's images (256-1024 tokens) it holds 2 to 8 of them, about as many as an encoder sees
+between an image and its repeat, so it answers some repeats, not all.
+What the arena cache adds is reuse that outlives that window and survives vLLM's eviction, and
+across encoders (the shared tier). A hit still pays the encoder's per-request path (media
+decode, vLLM's processor, one engine step).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import pathlib
+import statistics
 from typing import Any
 
 import grpc
@@ -44,13 +60,15 @@ from epd.v1 import gateway_pb2, gateway_pb2_grpc
 
 NAME = "encoder_cache"
 FAMILY = "qwen2_5_vl"
+SCALE = "costly_tower"  # the full run's checkpoint scale; --quick uses the tiny one
+QUICK_SCALE = "tiny"
 CONCURRENCY = 4
 UNIQUE_ITEMS = 24
 QUICK_UNIQUE_ITEMS = 4
-# A repeat follows its first use this many requests later, as a chat's next turn would. vLLM's own
-# encoder cache in the encoder engine still holds it then: the tiny checkpoint's images are at most
-# 64 tokens, and that cache's budget (max_num_batched_tokens) holds dozens of them. A run with 32
-# images repeated 16 requests later gave the same picture (34 tower runs with the cache off).
+# A repeat follows its first use this many requests later, as a chat's next turn would. On the tiny
+# checkpoint (images of at most 64 tokens) vLLM's own encoder cache in the encoder engine, whose
+# budget (max_num_batched_tokens, 2048) holds dozens of them, still held nearly every first use
+# then (25 tower runs for 24 images with the cache off; 34 for 32 images repeated 16 later).
 REPEAT_AFTER = 8
 # arm -> (cache mode, affinity routing); the arms of one mode share its encoder pair.
 ARMS = {
@@ -120,11 +138,27 @@ def _stop(stack: Stack, services: list[ServiceProcess]) -> None:
         stack.services.remove(service)
 
 
+def _vision_tower(model: str) -> dict[str, int]:
+    """The checkpoint's vision-tower sizes and largest image (tokens a side), as it was built."""
+    config = json.loads((pathlib.Path(model) / "config.json").read_text())["vision_config"]
+    processor = json.loads((pathlib.Path(model) / "preprocessor_config.json").read_text())
+    token_edge = processor["patch_size"] * processor["merge_size"]
+    return {
+        "depth": config["depth"],
+        "hidden_size": config["hidden_size"],
+        "intermediate_size": config["intermediate_size"],
+        "max_image_tokens": processor["size"]["longest_edge"] // token_edge**2,
+    }
+
+
 def run(*, quick: bool = False, results_dir: pathlib.Path = RESULTS_DIR, command: str) -> pathlib.Path:
     from epd.checkpoints import ensure_tiny_checkpoint
 
-    model = str(ensure_tiny_checkpoint(FAMILY, pathlib.Path(__file__).resolve().parents[1] / "checkpoints"))
+    scale = QUICK_SCALE if quick else SCALE
+    model = str(ensure_tiny_checkpoint(FAMILY, pathlib.Path(__file__).resolve().parents[1] / "checkpoints", scale=scale))
     workload = build_workload(QUICK_UNIQUE_ITEMS if quick else UNIQUE_ITEMS)
+    image_tokens: list[int] = []
+    oracle: list[list[int]] = []  # the monolithic run's tokens, per request
 
     async def experiment() -> list[dict[str, Any]]:
         stack = Stack()
@@ -132,7 +166,9 @@ def run(*, quick: bool = False, results_dir: pathlib.Path = RESULTS_DIR, command
             prefill, decode, monolithic = await asyncio.to_thread(_start_engines, stack, model)
             async with grpc.aio.insecure_channel(monolithic.address, options=CLIENT_OPTIONS) as channel:
                 stub = gateway_pb2_grpc.GatewayServiceStub(channel)
-                oracle = [(await generate(stub, r, timeout=300)).token_ids for r in workload]
+                answers = [await generate(stub, r, timeout=300) for r in workload]
+            oracle.extend(list(a.token_ids) for a in answers)
+            image_tokens.extend(a.finished.usage.multimodal_tokens for a in answers)
             results = []
             for cache in dict.fromkeys(mode for mode, _ in ARMS.values()):
                 started = len(stack.services)
@@ -148,6 +184,7 @@ def run(*, quick: bool = False, results_dir: pathlib.Path = RESULTS_DIR, command
                     load = await run_load(gateway.address, requests, float("inf"), seed=index, max_concurrency=CONCURRENCY)
                     after = _tower_runs(encoders)
                     same = [list(record) == expected for record, expected in zip(load.pop("outputs"), oracle, strict=True)]
+                    tower_runs, cache_hits = after[0] - before[0], after[1] - before[1]
                     results.append(
                         {
                             "arm": arm,
@@ -155,12 +192,16 @@ def run(*, quick: bool = False, results_dir: pathlib.Path = RESULTS_DIR, command
                             "unique_items": len(requests) // 2,
                             "failed": load["failed"],
                             "errors": load["errors"],
-                            "tower_runs": after[0] - before[0],
-                            "cache_hits": after[1] - before[1],
+                            "tower_runs": tower_runs,
+                            "cache_hits": cache_hits,
                             "shared_hits": after[2] - before[2],
+                            # One image per request: the items neither the tower nor EPD's cache
+                            # served were answered by vLLM's own encoder cache in the encoder engine.
+                            "vllm_cache_answered": len(requests) - tower_runs - cache_hits,
                             "tokens_equal_monolithic": sum(same),
                             "ttft_ms": load["ttft_ms"],
                             "e2el_ms": load["e2el_ms"],
+                            "encode_ms": load["stage_ms"]["encode"],
                         }
                     )
                     progress(f"{NAME}: {arm}: TTFT p50 {load['ttft_ms']['median']:.0f} ms, {results[-1]['tower_runs']:.0f} tower runs for {len(requests) // 2} images")
@@ -170,4 +211,17 @@ def run(*, quick: bool = False, results_dir: pathlib.Path = RESULTS_DIR, command
             await asyncio.to_thread(stack.stop)
 
     results = asyncio.run(experiment())
-    return write_result(NAME, {"model": model, "concurrency": CONCURRENCY, "repeat_after": REPEAT_AFTER, "warmed_up": True, "results": results}, command=command, results_dir=results_dir)
+    payload = {
+        "model": model,
+        "scale": scale,
+        "vision_tower": _vision_tower(model),
+        "image_tokens": {"min": min(image_tokens), "median": statistics.median(image_tokens), "max": max(image_tokens)},
+        # How many of the monolithic answers differ from one another: the token check can only
+        # catch a wrong embedding if answers depend on the image.
+        "distinct_monolithic_answers": len({tuple(tokens) for tokens in oracle}),
+        "concurrency": CONCURRENCY,
+        "repeat_after": REPEAT_AFTER,
+        "warmed_up": True,
+        "results": results,
+    }
+    return write_result(NAME, payload, command=command, results_dir=results_dir)

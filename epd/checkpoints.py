@@ -33,6 +33,10 @@ only in ``vision_seed`` share byte-identical language-model shards and tokenizer
 model (about 0.9 GB of float32 in 16 shards, one decoder layer per shard after the tower's),
 so that encoder-only loading can be compared with loading the whole checkpoint at a ratio
 like a real one's (vLLM read 2 of Qwen2.5-VL-72B's 96 shards for the vision tower alone).
+``scale="costly_tower"`` keeps the tiny language model but builds a wider and deeper vision
+tower (8 blocks of width 256, about 10M parameters) and lets images keep up to 32 x 32 tokens,
+so that encoding an image costs real time (0.2 to 0.8 s for a 448 to 896 px image on the one
+thread vLLM gives it on a 2-core CPU), as a reuse benchmark needs.
 
 Heavy imports (torch, transformers, tokenizers) happen inside the functions that need them,
 so importing this module stays cheap for the CLI.
@@ -76,15 +80,11 @@ MODALITIES: dict[str, tuple[str, ...]] = {
     "audioflamingo3": ("audio",),
 }
 
-# Language-model sizes are per scale (see _SCALES); vision-tower sizes are shared by every
-# scale and both families. Every scale keeps head_dim at 64, because the M-RoPE sections
+# Language-model and vision-tower sizes are per scale (see _SCALES) and shared by every
+# family. Every scale keeps the language model's head_dim at 64, because the M-RoPE sections
 # (temporal, height, width) must add up to head_dim / 2.
 _MROPE_SECTION = [8, 12, 12]
 _MAX_POSITIONS = 32768
-_VISION_DEPTH = 2
-_VISION_HIDDEN = 64
-_VISION_INTERMEDIATE = 128
-_VISION_HEADS = 2
 _SPATIAL_MERGE = 2
 _TEMPORAL_PATCH = 2
 
@@ -383,10 +383,9 @@ class _Family:
         """Smallest resized image: 2 x 2 placeholder tokens."""
         return (2 * self.merged_patch) ** 2
 
-    @property
-    def max_pixels(self) -> int:
-        """Largest resized image: 8 x 8 placeholder tokens, so tests stay fast."""
-        return (8 * self.merged_patch) ** 2
+    def max_pixels(self, sizes: _Scale) -> int:
+        """Largest resized image: ``sizes.image_max_side`` squared placeholder tokens."""
+        return (sizes.image_max_side * self.merged_patch) ** 2
 
 
 @dataclass(frozen=True)
@@ -493,7 +492,10 @@ _FAMILY_SPECS: dict[str, _Family | _AudioFamily] = {
 
 @dataclass(frozen=True)
 class _Scale:
-    """Language-model size and sharding of one checkpoint scale (the tower is the same in all).
+    """Language-model and vision-tower sizes and sharding of one checkpoint scale.
+
+    The vision sizes apply to every vision family's tower (the Omni thinkers' included); the
+    audio towers are the same at every scale.
 
     Attributes:
         text_hidden: hidden size; also the tower's output width.
@@ -502,6 +504,16 @@ class _Scale:
         text_heads: attention heads (head_dim = text_hidden / text_heads).
         text_kv_heads: key/value heads.
         num_shards: weight files: the tower's, then the language model's split by layer.
+        vision_depth: vision blocks; the last one attends over the whole image, the others
+            (Qwen2.5-VL, Qwen2.5-Omni) within windows.
+        vision_hidden: vision tower width.
+        vision_intermediate: vision MLP width.
+        vision_heads: vision attention heads.
+        image_max_side: the image processor's largest resized image, in placeholder tokens a
+            side (each token covers ``2 * patch_size`` pixels a side): it caps the tokens, and so
+            the tower's work, per image.
+        vision_init_std: init std of the vision tower's weight matrices (see
+            ``_VISION_INIT_STD``).
     """
 
     text_hidden: int
@@ -510,6 +522,12 @@ class _Scale:
     text_heads: int
     text_kv_heads: int
     num_shards: int
+    vision_depth: int = 2
+    vision_hidden: int = 64
+    vision_intermediate: int = 128
+    vision_heads: int = 2
+    image_max_side: int = 8  # 8 x 8 tokens: 224 px a side at patch 14, so tests stay fast
+    vision_init_std: float = _VISION_INIT_STD
 
     @property
     def head_dim(self) -> int:
@@ -522,6 +540,28 @@ _SCALES: dict[str, _Scale] = {
     # About 15M parameters (60 MB) per decoder layer, 15 layers: 0.9 GB in 16 shards, built in
     # seconds. Only for loading benchmarks: too slow to serve on CPU in tests.
     "bench": _Scale(text_hidden=1024, text_intermediate=4096, text_layers=15, text_heads=16, text_kv_heads=2, num_shards=16),
+    # The tiny language model behind a vision tower whose work is worth saving, and images of up
+    # to 32 x 32 tokens (896 px a side at patch 14, as the released Qwen2.5-VL's 1024-token
+    # images). For the encoder-output reuse benchmark.
+    "costly_tower": _Scale(
+        text_hidden=128,
+        text_intermediate=256,
+        text_layers=2,
+        text_heads=2,
+        text_kv_heads=1,
+        num_shards=3,
+        vision_depth=8,
+        vision_hidden=256,
+        vision_intermediate=1024,
+        vision_heads=4,
+        image_max_side=32,
+        # Narrower than the tiny tower's 0.05: at 0.05 this wider, deeper tower's outputs are
+        # about 7x a token embedding's norm (20 vs 2.8) and nearly the same for every image, so
+        # greedy tokens hardly depend on the image and a token check would prove little. At 0.02
+        # they are about a token embedding's norm, and six different images gave six different
+        # 8-token answers.
+        vision_init_std=0.02,
+    ),
 }
 SCALES: tuple[str, ...] = tuple(_SCALES)
 _TOWER_SHARD = 1
@@ -573,8 +613,10 @@ def build_tiny_checkpoint(
             its projector); defaults to ``seed``. Two checkpoints with the same ``seed`` and
             different ``vision_seed`` have byte-identical tokenizer, configs and
             language-model shards.
-        scale: one of :data:`SCALES`: the language model's size and shard count. ``"bench"``
-            keeps the tower and tokenizer but writes about 0.9 GB of language model.
+        scale: one of :data:`SCALES`: the language model's and vision tower's sizes, the
+            largest image and the shard count. ``"bench"`` keeps the tower and tokenizer but
+            writes about 0.9 GB of language model; ``"costly_tower"`` keeps the language model
+            and tokenizer but makes the vision tower and its images much larger.
 
     Returns:
         The checkpoint directory.
@@ -608,10 +650,12 @@ def build_tiny_checkpoint(
     if isinstance(spec, _AudioFamily):
         _write_audio_processor_configs(out, spec)
     else:
-        _write_processor_configs(out, spec)
+        _write_processor_configs(out, spec, sizes)
     if isinstance(spec, _OmniFamily) and spec.speaker_file:
         _write_empty_speaker_dict(out / _SPEAKER_FILE)
-    _write_sharded_weights(out, config, sizes.num_shards, seed=seed, vision_seed=seed if vision_seed is None else vision_seed)
+    _write_sharded_weights(
+        out, config, sizes.num_shards, seed=seed, vision_seed=seed if vision_seed is None else vision_seed, vision_std=sizes.vision_init_std
+    )
     return out
 
 
@@ -802,15 +846,15 @@ def _build_config(family: str, spec: _Family, sizes: _Scale, *, vocab_size: int,
         "dtype": "float32",
     }
     vision_config: dict[str, Any] = {
-        "depth": _VISION_DEPTH,
-        "hidden_size": _VISION_HIDDEN,
-        "intermediate_size": _VISION_INTERMEDIATE,
-        "num_heads": _VISION_HEADS,
+        "depth": sizes.vision_depth,
+        "hidden_size": sizes.vision_hidden,
+        "intermediate_size": sizes.vision_intermediate,
+        "num_heads": sizes.vision_heads,
         "out_hidden_size": sizes.text_hidden,
         "patch_size": spec.patch_size,
         "spatial_merge_size": _SPATIAL_MERGE,
         "temporal_patch_size": _TEMPORAL_PATCH,
-        "initializer_range": _VISION_INIT_STD,
+        "initializer_range": sizes.vision_init_std,
     }
     if family == "qwen2_5_vl":
         config_class = transformers.Qwen2_5_VLConfig
@@ -818,11 +862,12 @@ def _build_config(family: str, spec: _Family, sizes: _Scale, *, vocab_size: int,
             "bos_token_id": token_ids["<|endoftext|>"],
             "eos_token_id": token_ids["<|im_end|>"],
         }
-        # One windowed and one full-attention block, so both code paths run. A window of
-        # 4 x 4 merged patches splits any image above 112 px into several windows.
+        # Windowed blocks and a last full-attention one (at depth 2 one of each), so both code
+        # paths run. A window of 4 x 4 merged patches splits any image above 112 px into several
+        # windows.
         vision_config |= {
             "window_size": 4 * spec.merged_patch,
-            "fullatt_block_indexes": [_VISION_DEPTH - 1],
+            "fullatt_block_indexes": [sizes.vision_depth - 1],
             "tokens_per_second": 2,
         }
     else:
@@ -939,15 +984,15 @@ def _build_omni_config(
         "dtype": "float32",
     }
     vision_config: dict[str, Any] = {
-        "depth": _VISION_DEPTH,
-        "hidden_size": _VISION_HIDDEN,
-        "intermediate_size": _VISION_INTERMEDIATE,
-        "num_heads": _VISION_HEADS,
+        "depth": sizes.vision_depth,
+        "hidden_size": sizes.vision_hidden,
+        "intermediate_size": sizes.vision_intermediate,
+        "num_heads": sizes.vision_heads,
         "out_hidden_size": sizes.text_hidden,
         "patch_size": spec.patch_size,
         "spatial_merge_size": _SPATIAL_MERGE,
         "temporal_patch_size": _TEMPORAL_PATCH,
-        "initializer_range": _VISION_INIT_STD,
+        "initializer_range": sizes.vision_init_std,
     }
     audio_config: dict[str, Any] = {
         "d_model": _AUDIO_D_MODEL,
@@ -985,8 +1030,8 @@ def _build_omni_config(
         thinker_config["user_token_id"] = user_ids[0]  # marks user turns in the talker's input
     if family == "qwen2_5_omni":
         config_class = transformers.Qwen2_5OmniConfig
-        # One windowed and one full-attention block, as for Qwen2.5-VL.
-        vision_config |= {"window_size": 4 * spec.merged_patch, "fullatt_block_indexes": [_VISION_DEPTH - 1]}
+        # Windowed blocks and a last full-attention one, as for Qwen2.5-VL.
+        vision_config |= {"window_size": 4 * spec.merged_patch, "fullatt_block_indexes": [sizes.vision_depth - 1]}
         # Token-id keys in the released config: ``*_index`` (transformers maps ``*_id`` onto
         # them); vLLM reads the ``*_index`` spellings.
         for key in ("image", "video", "audio"):
@@ -1029,8 +1074,9 @@ def _build_omni_config(
     )
 
 
-def _write_processor_configs(out: pathlib.Path, spec: _Family) -> None:
-    """Writes the image, video and processor configs, with small pixel limits.
+def _write_processor_configs(out: pathlib.Path, spec: _Family, sizes: _Scale) -> None:
+    """Writes the image, video and processor configs, with the scale's pixel limit (small but
+    for ``costly_tower``).
 
     An Omni family's ``preprocessor_config.json`` also holds its Whisper feature extractor's
     settings, as in the released checkpoints: transformers reads both the image processor and
@@ -1044,10 +1090,11 @@ def _write_processor_configs(out: pathlib.Path, spec: _Family) -> None:
         "processor_class": spec.processor_class,
         "temporal_patch_size": _TEMPORAL_PATCH,
     }
+    max_pixels = spec.max_pixels(sizes)
     # size.shortest_edge / size.longest_edge are pixel counts (min_pixels / max_pixels).
     image: dict[str, Any] = {
         "image_processor_type": "Qwen2VLImageProcessor",
-        "size": {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels},
+        "size": {"shortest_edge": spec.min_pixels, "longest_edge": max_pixels},
     }
     if isinstance(spec, _OmniFamily):
         image |= _whisper_feature_extractor_config(spec.processor_class)
@@ -1058,14 +1105,14 @@ def _write_processor_configs(out: pathlib.Path, spec: _Family) -> None:
     if spec.video_processor_type == "Qwen3VLVideoProcessor":
         # Qwen3-VL's video limits count pixels over all frames; allow 8 frames at the image cap.
         video |= {
-            "size": {"shortest_edge": spec.min_pixels, "longest_edge": 8 * spec.max_pixels},
+            "size": {"shortest_edge": spec.min_pixels, "longest_edge": 8 * max_pixels},
             "fps": 2,
             "min_frames": 2,
             "max_frames": 8,
         }
     else:
         # Qwen2-VL's video limits are per frame.
-        video |= {"size": {"shortest_edge": spec.min_pixels, "longest_edge": spec.max_pixels}}
+        video |= {"size": {"shortest_edge": spec.min_pixels, "longest_edge": max_pixels}}
     _write_json(out / "video_preprocessor_config.json", shared | video)
     _write_json(out / "processor_config.json", {"processor_class": spec.processor_class})
 
@@ -1096,7 +1143,7 @@ def _whisper_feature_extractor_config(processor_class: str) -> dict[str, Any]:
     }
 
 
-def _write_sharded_weights(out: pathlib.Path, config: PreTrainedConfig, num_shards: int, *, seed: int, vision_seed: int) -> None:
+def _write_sharded_weights(out: pathlib.Path, config: PreTrainedConfig, num_shards: int, *, seed: int, vision_seed: int, vision_std: float) -> None:
     """Writes random float32 weights as safetensors shards plus the index.
 
     Tensor names and shapes come from the transformers model built on the meta device (no
@@ -1130,7 +1177,9 @@ def _write_sharded_weights(out: pathlib.Path, config: PreTrainedConfig, num_shar
     total_size = 0
     for index, names in names_by_shard.items():
         tensors = {
-            name: _random_tensor(name, tuple(shapes[name].shape), seed=vision_seed if _is_tower_tensor(name) else seed, std=_init_std(name))
+            name: _random_tensor(
+                name, tuple(shapes[name].shape), seed=vision_seed if _is_tower_tensor(name) else seed, std=_init_std(name, vision_std)
+            )
             for name in names
         }
         file_name = f"model-{index:05d}-of-{num_shards:05d}.safetensors"
@@ -1163,12 +1212,12 @@ def _is_audio_tower_tensor(name: str) -> bool:
     return name.startswith(_AUDIO_TOWER_PREFIXES) or "audio_tower" in name.split(".")
 
 
-def _init_std(name: str) -> float:
+def _init_std(name: str, vision_std: float) -> float:
     """Std of the normal init of a weight matrix, by role (see ``_TEXT_INIT_STD``)."""
     if _is_audio_tower_tensor(name):
         return _AUDIO_INIT_STD
     if _is_tower_tensor(name):
-        return _VISION_INIT_STD
+        return vision_std
     return _EMBED_INIT_STD if "embed_tokens" in name.split(".") else _TEXT_INIT_STD
 
 
@@ -1234,7 +1283,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=pathlib.Path, help="checkpoint directory to write")
     parser.add_argument("--seed", type=int, default=0, help="seed of the language-model weights")
     parser.add_argument("--vision-seed", type=int, default=None, help="seed of the tower (vision or audio) weights (default: --seed)")
-    parser.add_argument("--scale", choices=SCALES, default="tiny", help="language-model size: bench is about 0.9 GB in 16 shards")
+    parser.add_argument(
+        "--scale",
+        choices=SCALES,
+        default="tiny",
+        help="sizes: bench is a 0.9 GB language model in 16 shards, costly_tower a tiny one behind a large vision tower",
+    )
     args = parser.parse_args(argv)
     path = build_tiny_checkpoint(args.family, args.out, seed=args.seed, vision_seed=args.vision_seed, scale=args.scale)
     print(path)

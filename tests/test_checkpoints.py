@@ -140,6 +140,23 @@ def test_vision_seed_changes_only_vision_shards(tmp_path: pathlib.Path) -> None:
         assert (lm_files[name] != data) == is_lm_shard, name
 
 
+def test_costly_tower_scale_changes_only_the_tower_and_the_image_size(tmp_path: pathlib.Path) -> None:
+    """The reuse benchmark's checkpoint: the tiny language model, byte for byte, behind a bigger
+    tower that takes bigger images."""
+    tiny = build_tiny_checkpoint("qwen2_5_vl", tmp_path / "tiny", seed=0)
+    costly = build_tiny_checkpoint("qwen2_5_vl", tmp_path / "costly", seed=0, scale="costly_tower")
+    tiny_files, costly_files = file_bytes(tiny), file_bytes(costly)
+    vision_shards = shard_files(tiny, vision=True)
+    for name, data in tiny_files.items():
+        if name.endswith(".safetensors") and name not in vision_shards:
+            assert costly_files[name] == data, name
+    tiny_vision, costly_vision = (json.loads((path / "config.json").read_text())["vision_config"] for path in (tiny, costly))
+    assert (tiny_vision["depth"], tiny_vision["hidden_size"]) == (2, 64)
+    assert (costly_vision["depth"], costly_vision["hidden_size"], costly_vision["intermediate_size"]) == (8, 256, 1024)
+    longest = [json.loads((path / "preprocessor_config.json").read_text())["size"]["longest_edge"] for path in (tiny, costly)]
+    assert longest == [(8 * 28) ** 2, (32 * 28) ** 2]
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 def test_vision_tower_has_shards_of_its_own(checkpoints: dict[str, pathlib.Path], family: str) -> None:
     from safetensors import safe_open
