@@ -12,7 +12,11 @@ Requests go one at a time (one image, 16 output tokens), so latency is not queue
 - ``latency_ms``: client-seen Generate latency through the gateway (p50, p99);
 - ``direct_ms``: the same client streaming the same tokens straight from the stand-in decode:
   the floor of one hop; ``added_ms`` = gateway latency minus that floor (median and p99);
-- ``cpu_ms_per_request``: the gateway process's CPU time (user + system) per request.
+- ``cpu_ms_per_request``: the gateway process's CPU time (user + system) per request;
+- ``relay_ms`` / ``relay_cpu_ms_per_request``: the same hops through a bare grpc.aio relay in its
+  own process (Encode, Prefill, then Decode's stream relayed message by message; no parsing,
+  template, routing, spans or metrics). It is the floor grpc.aio sets for the gateway's hop
+  shape, so gateway minus relay is what EPD's own code adds.
 
 Stand-in stages are legitimate here and only here: this experiment times the gateway, not a
 model; the serving experiments run the real stages.
@@ -21,6 +25,7 @@ model; the serving experiments run the real stages.
 from __future__ import annotations
 
 import asyncio
+import multiprocessing
 import pathlib
 import time
 from typing import Any
@@ -127,44 +132,105 @@ async def _serve_stand_ins() -> tuple[grpc.aio.Server, dict[str, str]]:
     return server, {"encoder": address, "prefill": address, "decode": address}
 
 
-async def _measure(gateway_address: str, decode_address: str, requests: int, gateway_pid: int) -> dict[str, Any]:
+def _serve_bare_relay(stage_address: str, ports: multiprocessing.Queue) -> None:
+    """Runs in its own process: a GatewayService that makes the gateway's three calls and
+    relays the decode's stream, with none of EPD's own work."""
+    from epd.v1 import (
+        decode_pb2,
+        decode_pb2_grpc,
+        encoder_pb2,
+        encoder_pb2_grpc,
+        engine_pb2,
+        gateway_pb2,
+        gateway_pb2_grpc,
+        multimodal_pb2,
+        prefill_pb2,
+        prefill_pb2_grpc,
+    )
+
+    async def serve() -> None:
+        async with grpc.aio.insecure_channel(stage_address) as channel:
+            encoder = encoder_pb2_grpc.EncoderServiceStub(channel)
+            prefill = prefill_pb2_grpc.PrefillServiceStub(channel)
+            decode = decode_pb2_grpc.DecodeServiceStub(channel)
+            prompt = engine_pb2.EnginePrompt(token_ids=list(range(40)))
+
+            class Relay(gateway_pb2_grpc.GatewayServiceServicer):
+                async def Generate(self, request, context):
+                    # The media goes on to the encoder, as the gateway sends it.
+                    image = request.messages[0].parts[0].image
+                    items = [multimodal_pb2.MediaItem(image=multimodal_pb2.Media(data=image.data, mime_type=image.mime_type))]
+                    await encoder.Encode(encoder_pb2.EncodeRequest(request_id=request.request_id, items=items), timeout=30)
+                    await prefill.Prefill(prefill_pb2.PrefillRequest(request_id=request.request_id, prompt=prompt), timeout=30)
+                    async for message in decode.Decode(decode_pb2.DecodeRequest(request_id=request.request_id, prompt=prompt), timeout=30):
+                        yield gateway_pb2.GenerateResponse(delta=gateway_pb2.GenerateDelta(token_ids=message.token_ids, text=message.text))
+                    yield gateway_pb2.GenerateResponse(finished=gateway_pb2.GenerateFinished())
+
+            server = grpc.aio.server()
+            gateway_pb2_grpc.add_GatewayServiceServicer_to_server(Relay(), server)
+            ports.put(server.add_insecure_port("127.0.0.1:0"))
+            await server.start()
+            await server.wait_for_termination()
+
+    asyncio.run(serve())
+
+
+async def _measure(gateway_address: str, relay_address: str, decode_address: str, requests: int, pids: dict[str, int]) -> dict[str, Any]:
     from epd.client import chat_request, generate
     from epd.testing import synthetic_image_png
     from epd.v1 import common_pb2, decode_pb2, decode_pb2_grpc, engine_pb2, gateway_pb2_grpc
 
     image = synthetic_image_png(224, 224, seed=1)
-    process = psutil.Process(gateway_pid)
-    latencies, direct = [], []
-    async with grpc.aio.insecure_channel(gateway_address) as gateway_channel, grpc.aio.insecure_channel(decode_address) as decode_channel:
+    processes = {name: psutil.Process(pid) for name, pid in pids.items()}
+    latencies, relayed, direct = [], [], []
+    async with (
+        grpc.aio.insecure_channel(gateway_address) as gateway_channel,
+        grpc.aio.insecure_channel(relay_address) as relay_channel,
+        grpc.aio.insecure_channel(decode_address) as decode_channel,
+    ):
         gateway = gateway_pb2_grpc.GatewayServiceStub(gateway_channel)
+        relay = gateway_pb2_grpc.GatewayServiceStub(relay_channel)
         decode = decode_pb2_grpc.DecodeServiceStub(decode_channel)
         direct_request = decode_pb2.DecodeRequest(
-            request_id="direct", prompt=engine_pb2.EnginePrompt(token_ids=list(range(40))), sampling=common_pb2.SamplingParams(max_tokens=OUTPUT_TOKENS)
+            request_id="direct",
+            prompt=engine_pb2.EnginePrompt(token_ids=list(range(40))),
+            sampling=common_pb2.SamplingParams(max_tokens=OUTPUT_TOKENS),
         )
+        # The three paths take turns, so the machine's noise falls on all of them alike.
         for index in range(WARMUP + requests):
             request = chat_request([(image, "image/png"), "Describe it."], max_tokens=OUTPUT_TOKENS)
             if index == WARMUP:
-                cpu_before = process.cpu_times()
+                cpu_before = {name: process.cpu_times() for name, process in processes.items()}
             started = time.perf_counter()
             result = await generate(gateway, request, timeout=30)
             elapsed = time.perf_counter() - started
             assert len(result.token_ids) == OUTPUT_TOKENS, result
+            started = time.perf_counter()
+            async for _ in relay.Generate(request, timeout=30):
+                pass
+            relay_elapsed = time.perf_counter() - started
             started = time.perf_counter()
             async for _ in decode.Decode(direct_request, timeout=30):
                 pass
             floor = time.perf_counter() - started
             if index >= WARMUP:
                 latencies.append(elapsed * 1e3)
+                relayed.append(relay_elapsed * 1e3)
                 direct.append(floor * 1e3)
-        cpu_after = process.cpu_times()
-    cpu_s = (cpu_after.user - cpu_before.user) + (cpu_after.system - cpu_before.system)
-    added = [lat - floor for lat, floor in zip(latencies, direct, strict=True)]
+        cpu_after = {name: process.cpu_times() for name, process in processes.items()}
+    cpu_ms = {
+        name: ((cpu_after[name].user - cpu_before[name].user) + (cpu_after[name].system - cpu_before[name].system)) * 1e3 / requests
+        for name in processes
+    }
     return {
         "requests": requests,
         "latency_ms": summarize(latencies),
+        "relay_ms": summarize(relayed),
         "direct_ms": summarize(direct),
-        "added_ms": summarize(added),
-        "cpu_ms_per_request": cpu_s * 1e3 / requests,
+        "added_ms": summarize([lat - floor for lat, floor in zip(latencies, direct, strict=True)]),
+        "added_by_epd_ms": summarize([lat - bare for lat, bare in zip(latencies, relayed, strict=True)]),
+        "cpu_ms_per_request": cpu_ms["gateway"],
+        "relay_cpu_ms_per_request": cpu_ms["relay"],
     }
 
 
@@ -178,19 +244,27 @@ def run(*, quick: bool = False, num_requests: int | None = None, results_dir: pa
     async def experiment() -> dict[str, Any]:
         server, stages = await _serve_stand_ins()
         stack = Stack()
+        spawn = multiprocessing.get_context("spawn")
+        ports = spawn.Queue()
+        relay = spawn.Process(target=_serve_bare_relay, args=(stages["encoder"], ports), daemon=True)
         try:
+            relay.start()
             args = gateway_args(model, "epd", encoders=[stages["encoder"]], prefills=[stages["prefill"]], decodes=[stages["decode"]])
             gateway = stack.start("gateway-overhead", args)
             await asyncio.to_thread(stack.wait_ready, [gateway], 120)
-            return await _measure(gateway.address, stages["decode"], requests, gateway.process.pid)
+            relay_address = f"127.0.0.1:{await asyncio.to_thread(ports.get, True, 60)}"
+            return await _measure(gateway.address, relay_address, stages["decode"], requests, {"gateway": gateway.process.pid, "relay": relay.pid})
         finally:
+            relay.kill()
+            relay.join(10)
             await asyncio.to_thread(stack.stop)
             await server.stop(None)
 
     result = asyncio.run(experiment())
     result.update(model=model, output_tokens=OUTPUT_TOKENS, goal_p50_ms=GOAL_P50_MS)
     progress(
-        f"{NAME}: p50 {result['latency_ms']['median']:.2f} ms (floor {result['direct_ms']['median']:.2f}, added {result['added_ms']['median']:.2f}), "
+        f"{NAME}: p50 {result['latency_ms']['median']:.2f} ms (floor {result['direct_ms']['median']:.2f}, added {result['added_ms']['median']:.2f}, "
+        f"bare relay {result['relay_ms']['median']:.2f}), "
         f"p99 {result['latency_ms']['p99']:.2f} ms, {result['cpu_ms_per_request']:.2f} CPU-ms per request"
     )
     return write_result(NAME, result, command=command, results_dir=results_dir)

@@ -17,10 +17,12 @@ def test_quick_run_writes_a_complete_result(tmp_path):
     path = gateway_overhead.run(quick=True, num_requests=10, results_dir=tmp_path, command="python -m bench --only gateway_overhead --quick")
     doc = json.loads(path.read_text())
     assert doc["requests"] == 10 and doc["output_tokens"] == gateway_overhead.OUTPUT_TOKENS
-    for key in ("latency_ms", "direct_ms", "added_ms"):
+    for key in ("latency_ms", "relay_ms", "direct_ms", "added_ms", "added_by_epd_ms"):
         assert doc[key]["count"] == 10 and doc[key]["p99"] >= doc[key]["median"]
-    # Through the gateway is three hops and a stream: never faster than the one-hop floor.
+    # Through the gateway, or the bare relay, is three hops and a stream: never faster than the
+    # one-hop floor.
     assert doc["latency_ms"]["median"] > doc["direct_ms"]["median"] > 0
-    assert doc["cpu_ms_per_request"] > 0
+    assert doc["relay_ms"]["median"] > doc["direct_ms"]["median"]
+    assert doc["cpu_ms_per_request"] > 0 and doc["relay_cpu_ms_per_request"] > 0
     report = write_report(tmp_path, tmp_path / "BENCHMARKS.md").read_text()
     assert "## Gateway overhead, alone" in report and "Goal: ≤ 2.0 ms p50" in report
