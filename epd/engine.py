@@ -446,9 +446,9 @@ def _configure_vllm_environment(config: EngineConfig) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if config.role.kv_role is not None:
-        from epd.transport._agent import restrict_ucx_devices
+        from epd.transport._agent import configure_ucx
 
         # vLLM's KV agent starts UCX before any EPD agent would: fence it to the service's host.
-        restrict_ucx_devices(config.nixl_side_channel_host)
+        configure_ucx(config.nixl_side_channel_host)
         os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = config.nixl_side_channel_host
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(config.nixl_side_channel_port or free_port(config.nixl_side_channel_host))

@@ -31,11 +31,11 @@ from epd.transport.ec_config import ConnectorConfig
 from epd.transport.ec_consumer import ConsumerScheduler
 from epd.transport.ec_params import ExpectedItem, expected_to_params
 from epd.transport.location import decode_descriptors, encode_descriptors, location_tag
-from epd.transport.nixl import LeaseReleaser, NixlReader, Read
+from epd.transport.nixl import LeaseReleaser, NixlReader, Read, TransferCredentials
 from epd.transport.shared_buffer import SharedBuffer
 from epd.transport.slot_header import HEADER_BYTES, SlotHeader, SlotStatus
 from epd.v1 import multimodal_pb2
-from tests.transport_producer import SLOT_BYTES, make_rows, producer_main
+from tests.transport_producer import ARENA_BYTES, SLOT_BYTES, make_rows, producer_main
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -310,8 +310,94 @@ def test_bad_encoder_addresses_fail_only_their_own_reads_and_stall_nobody(produc
     assert producer("reap_until_idle") == 0
 
 
+@dataclasses.dataclass
+class _AgentCalls:
+    """What a reader asked of its NIXL agent: prepared lists and READs of each kind."""
+
+    prepared: list[tuple[str | None, int]] = dataclasses.field(default_factory=list)  # (peer, handle)
+    released: list[int] = dataclasses.field(default_factory=list)
+    prepared_reads: int = 0
+    own_descriptor_reads: int = 0
+
+
+def _record(reader: NixlReader, monkeypatch) -> _AgentCalls:
+    calls, agent, real = _AgentCalls(), reader._agent, type(reader._agent)
+
+    def prepare(peer, *args):
+        handle = real.prepare(agent, peer, *args)
+        calls.prepared.append((peer, handle))
+        return handle
+
+    def release_prepared(handle):
+        calls.released.append(handle)
+        real.release_prepared(agent, handle)
+
+    def post_prepared_read(*args):
+        calls.prepared_reads += 1
+        return real.post_prepared_read(agent, *args)
+
+    def post_read(*args):
+        calls.own_descriptor_reads += 1
+        return real.post_read(agent, *args)
+
+    for name, method in [("prepare", prepare), ("release_prepared", release_prepared), ("post_prepared_read", post_prepared_read), ("post_read", post_read)]:
+        monkeypatch.setattr(agent, name, method)
+    return calls
+
+
+def test_the_producers_credentials_describe_its_arena(producer, releaser):
+    credentials = producer("credentials")
+    assert (credentials.arena_bytes, credentials.arena_unit_bytes) == (ARENA_BYTES - SharedCounters.BYTES, SLOT_BYTES)
+    location = producer("publish", 41, 2, 64, "float32")
+    ((address, _, _),) = decode_descriptors(location.descriptors)
+    assert (address - credentials.arena_address) % SLOT_BYTES == 0 and 0 <= address - credentials.arena_address < credentials.arena_bytes
+    # What the encoder service reads from shared memory carries them too.
+    name = f"test-credentials-{uuid.uuid4().hex[:8]}"
+    saved = credentials.save(name)
+    try:
+        assert TransferCredentials.load(name) == credentials
+    finally:
+        saved.close()
+    releaser.release([location.lease_id])
+    assert producer("reap_until_idle") == 0
+
+
+def test_reads_select_pages_of_lists_prepared_once_and_exact_bytes_otherwise(producer, reader, receive_buffer, monkeypatch):
+    calls = _record(reader, monkeypatch)
+    receive_buffer.tensor.fill_(0xAB)
+    shapes = [(43, 3, 128, "float32"), (44, 70, 256, "bfloat16")]
+    locations = [producer("publish", *shape) for shape in shapes]
+    offsets = [SharedCounters.BYTES, SharedCounters.BYTES + 4096]  # 1600 bytes, then 35904: one page, then nine
+    reader.submit([Read(i, location, offset) for i, (location, offset) in enumerate(zip(locations, offsets, strict=True))])
+    assert _drain(reader, 2) == {0: None, 1: None}
+    later = producer("publish", 45, 2, 64, "float32")
+    reader.submit([Read("later", later, 16 * 4096)])
+    assert _drain(reader, 1) == {"later": None}
+    # The arena was prepared once, when the producer's metadata was loaded; both READs (one
+    # batched, one single) named pages of it and of the receive buffer.
+    assert [peer for peer, _ in calls.prepared] == [later.agent_name]
+    assert (calls.prepared_reads, calls.own_descriptor_reads) == (2, 0)
+    for (seed, rows, width, dtype), offset in zip(shapes, offsets, strict=True):
+        assert torch.equal(_rows_at(receive_buffer, offset, rows, width, dtype), make_rows(seed, rows, width, dtype))
+    # Rounded up to whole pages, never past them: the page after the batch's is untouched.
+    assert bool((receive_buffer.tensor[SharedCounters.BYTES + 10 * 4096 : 16 * 4096] == 0xAB).all())
+    # A destination off a page boundary cannot take whole pages: that READ carries its own
+    # descriptors and writes exactly the item's bytes.
+    odd = producer("publish", 46, 2, 64, "float32")
+    offset = 20 * 4096 + 64
+    reader.submit([Read("odd", odd, offset)])
+    assert _drain(reader, 1) == {"odd": None}
+    assert (calls.prepared_reads, calls.own_descriptor_reads, len(calls.prepared)) == (2, 1, 1)
+    assert torch.equal(_rows_at(receive_buffer, offset, 2, 64, "float32"), make_rows(46, 2, 64))
+    assert bool((receive_buffer.tensor[offset + odd.nbytes : 22 * 4096] == 0xAB).all())
+    assert bool((receive_buffer.tensor[20 * 4096 : offset] == 0xAB).all())
+    assert producer("reap_until_idle") == 0
+    assert calls.released == []  # the producer's metadata is still loaded
+
+
 @pytest.mark.parametrize("same_agent_name", [False, True], ids=["new_agent_name", "same_agent_name"])
-def test_a_restarted_producer_at_the_same_address_is_fetched_afresh(reader, receive_buffer, same_agent_name):
+def test_a_restarted_producer_at_the_same_address_is_fetched_afresh(reader, receive_buffer, same_agent_name, monkeypatch):
+    calls = _record(reader, monkeypatch)
     first = _start_producer(f"test-restarting-{uuid.uuid4().hex[:6]}")
     try:
         location = first("publish", 51, 2, 64, "float32")
@@ -319,6 +405,8 @@ def test_a_restarted_producer_at_the_same_address_is_fetched_afresh(reader, rece
         assert _drain(reader, 1) == {"a": None}
     finally:
         _stop(first)
+    ((first_agent, first_arena),) = calls.prepared
+    assert first_agent == location.agent_name and calls.released == []
     port = int(first.address.rpartition(":")[2])
     second = _start_producer(location.agent_name if same_agent_name else None, grpc_port=port)
     try:
@@ -329,6 +417,11 @@ def test_a_restarted_producer_at_the_same_address_is_fetched_afresh(reader, rece
         reader.submit([Read("b", moved, SharedCounters.BYTES)])
         assert _drain(reader, 1) == {"b": None}
         assert torch.equal(_rows_at(receive_buffer, SharedCounters.BYTES, 2, 64, "float32"), make_rows(52, 2, 64))
+        # The dead process's prepared arena was released with its metadata, and the new one's
+        # prepared (NIXL refuses READs from a list prepared before a reload, even of one name).
+        assert calls.released == [first_arena]
+        assert [peer for peer, _ in calls.prepared] == [first_agent, moved.agent_name]
+        assert (calls.prepared_reads, calls.own_descriptor_reads) == (2, 0)
         # A handle of the dead process is refused, not read from the new one's memory.
         reader.submit([Read("old", location, SharedCounters.BYTES)])
         (error,) = _drain(reader, 1).values()

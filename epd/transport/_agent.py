@@ -20,6 +20,7 @@ import socket
 from collections.abc import Sequence
 from typing import Any, Literal
 
+import numpy as np
 import psutil
 import torch
 from nixl import _bindings as nixlb
@@ -33,6 +34,13 @@ logger = logging.getLogger(__name__)
 # this is only its fallback wakeup (NIXL rounds it up to whole milliseconds).
 PROGRESS_WAKEUP_US = 1_000
 
+# UCX's shared-memory transports (posix, sysv) declare no peer-failure handling unless told to,
+# and NIXL's UCX backend asks for it, so by default every notification between two agents of one
+# host went over TCP loopback: 30-50 µs on each READ, and a slower READ after it. With these, the
+# notifications take shared memory; a killed peer is still reported (NIXL_ERR_REMOTE_DISCONNECT),
+# data still moves by CMA, and other hosts are still reached over TCP.
+_UCX_SHARED_MEMORY_DEFAULTS = {"UCX_POSIX_ERROR_HANDLING": "y", "UCX_SYSV_ERROR_HANDLING": "y"}
+
 XferState = Literal["DONE", "PROC", "ERR"]
 
 
@@ -45,7 +53,7 @@ class NixlAgent:
         Args:
             name: Agent name; peers address this agent by it, so it must be unique among peers.
             bind_host: The service's host: UCX's TCP endpoints listen only on the network device
-                that carries this address (see :func:`restrict_ucx_devices`).
+                that carries this address (see :func:`configure_ucx`).
             progress_thread: Whether a thread progresses UCX in the background. A READ's target
                 needs one: nothing else would answer connection setup, take in notifications
                 or, over TCP, serve the READ itself. An initiator progresses its transfers by
@@ -54,7 +62,7 @@ class NixlAgent:
         Raises:
             RuntimeError: If NIXL cannot start its UCX backend.
         """
-        restrict_ucx_devices(bind_host)
+        configure_ucx(bind_host)
         config = nixlb.nixlAgentConfig()
         config.useProgThread = progress_thread
         config.pthrDelay = PROGRESS_WAKEUP_US
@@ -127,7 +135,8 @@ class NixlAgent:
     ) -> int:
         """Starts one READ of ``remote`` ranges of ``peer`` into ``local`` ranges, pairwise.
 
-        ``peer`` receives ``notification`` once the whole READ is complete.
+        ``peer`` receives ``notification`` once the whole READ is complete. NIXL checks and
+        prepares both lists for this READ alone; :meth:`post_prepared_read` skips that work.
 
         Returns:
             The transfer handle; pass it to :meth:`state` and always to :meth:`release`.
@@ -144,8 +153,67 @@ class NixlAgent:
             )
         except Exception as exc:  # the bindings raise one exception class per NIXL status
             raise TransferError(f"NIXL refused a READ from agent {peer!r}: {exc!r}") from exc
+        return self._post(handle, peer)
+
+    def prepare(self, peer: str | None, address: int, unit: int, count: int) -> int:
+        """Prepares ``count`` consecutive ``unit``-byte ranges from ``address``, once, for
+        :meth:`post_prepared_read` to select by index: of this agent's registered memory
+        (``peer`` None) or of a loaded peer's.
+
+        NIXL keeps the list compressed (one strided entry), so its size does not depend on
+        ``count``. It holds the peer's metadata as loaded now: after :meth:`forget_peer` it is
+        unusable (NIXL refuses READs made from it) and must be released.
+
+        Returns:
+            A handle for :meth:`post_prepared_read` and :meth:`release_prepared`.
+
+        Raises:
+            TransferError: NIXL refused (peer not loaded, ranges outside its registered memory).
+        """
+        rows = np.array([[address, unit, 0, unit, count]], dtype=np.uint64)  # address, length, device, stride, count
         try:
-            status = self._agent.postXferReq(handle, b"")  # empty keeps the notification above
+            return int(self._agent.prepXferDlist(nixlb.NIXL_INIT_AGENT if peer is None else peer, nixlb.DRAM_SEG, rows, []))
+        except Exception as exc:  # the bindings raise one exception class per NIXL status
+            raise TransferError(f"NIXL refused to prepare {count} x {unit} bytes of {peer or 'this agent'!r}: {exc!r}") from exc
+
+    def release_prepared(self, prepared: int) -> None:
+        """Frees a list from :meth:`prepare`. Release the transfers made from it first (NIXL's
+        cleanup order); a later READ from it would use freed memory."""
+        self._agent.releasedDlistH(prepared)
+
+    def post_prepared_read(
+        self,
+        peer: str,
+        local: int,
+        local_indices: np.ndarray,
+        remote: int,
+        remote_indices: np.ndarray,
+        notification: bytes,
+    ) -> int:
+        """Like :meth:`post_read`, with ranges selected from prepared lists (:meth:`prepare`):
+        ``remote_indices`` of ``peer``'s list ``remote`` into ``local_indices`` of this agent's
+        list ``local``, pairwise (int32 arrays; NIXL merges runs of consecutive indices into
+        one range).
+
+        Returns:
+            The transfer handle; pass it to :meth:`state` and always to :meth:`release`.
+
+        Raises:
+            TransferError: If NIXL refuses the READ (an index out of range, ``peer``'s metadata
+                forgotten or reloaded since ``remote`` was prepared, peer disconnected). No
+                handle is left behind.
+        """
+        try:
+            handle = int(self._agent.makeXferReq(nixlb.NIXL_READ, local, local_indices, remote, remote_indices, notification, [], False))
+        except Exception as exc:  # the bindings raise one exception class per NIXL status
+            raise TransferError(f"NIXL refused a READ from agent {peer!r}: {exc!r}") from exc
+        return self._post(handle, peer)
+
+    def _post(self, handle: int, peer: str) -> int:
+        """Posts a READ made by :meth:`post_read` or :meth:`post_prepared_read`; on failure,
+        releases it."""
+        try:
+            status = self._agent.postXferReq(handle, b"")  # empty keeps the notification it was made with
         except Exception as exc:
             self._agent.releaseXferReq(handle)
             raise TransferError(f"posting a READ from agent {peer!r} failed: {exc!r}") from exc
@@ -182,15 +250,19 @@ def _xfer_list(rows: Sequence[Row]) -> Any:
     return nixlb.nixlXferDList(nixlb.DRAM_SEG, list(rows))
 
 
-def restrict_ucx_devices(bind_host: str) -> None:
-    """Makes UCX listen only on the network device that carries ``bind_host``.
+def configure_ucx(bind_host: str) -> None:
+    """Sets this process's UCX knobs; UCX reads them from the environment when a backend starts,
+    so call it before the first one (vLLM's KV agent's, or EPD's). An operator's own setting wins.
 
-    UCX opens a TCP listener on every device by default (0.0.0.0 in effect). It reads
-    ``UCX_NET_DEVICES`` when a backend starts, so setting it here, before the first backend of
-    this process, is enough; an operator's own setting wins. Shared-memory transports between
-    processes of one host are unaffected. A wildcard host, or one no local device carries (an
-    address behind NAT), leaves UCX's default, with a warning for the latter.
+    - Notifications between agents of one host take shared memory (see
+      ``_UCX_SHARED_MEMORY_DEFAULTS``).
+    - UCX listens only on the network device that carries ``bind_host``. It opens a TCP listener
+      on every device by default (0.0.0.0 in effect). Shared-memory transports between processes
+      of one host are unaffected. A wildcard host, or one no local device carries (an address
+      behind NAT), leaves UCX's default, with a warning for the latter.
     """
+    for name, value in _UCX_SHARED_MEMORY_DEFAULTS.items():
+        os.environ.setdefault(name, value)
     if "UCX_NET_DEVICES" in os.environ or bind_host in ("", "0.0.0.0"):
         return
     try:

@@ -23,6 +23,18 @@ caches them per encoder address, and fetches them again when a location does not
 READ fails: a restarted encoder (a new process at the same address) has a new agent name, new
 metadata and a new key, and the old ones are dropped.
 
+Prepared descriptor lists. NIXL checks a READ's descriptors against both sides' registered
+memory and prepares them for its backend; the reader has that done once rather than per READ:
+its receive buffer, in 4 KiB pages, right after registering it, and each producer's arena (whose
+address, length and slot size come with its credentials), in 4 KiB pages, when its metadata is
+loaded. A READ then names pages by index, and NIXL merges consecutive ones into one range. Such
+a READ is rounded up to whole pages: on the producer it stays within the item's own slots (an
+item starts on a slot boundary and owns whole slots, which whole pages tile), on the consumer
+within the pages the item was given. A batch holding a read that cannot be put so (a producer
+that gave no arena, a destination off a page boundary) is read with descriptors of its own, as
+before. A producer's prepared list is released before its metadata is dropped, and never while
+a READ made from it runs (NIXL's cleanup order).
+
 Locations' wire-level pieces (descriptor format, tag) live in :mod:`epd.transport.location`,
 which services can import without NIXL.
 """
@@ -37,12 +49,14 @@ import time
 from collections.abc import Hashable, Sequence
 
 import grpc
+import numpy as np
 import torch
 
 from epd.domain import NixlLocation
 from epd.transport._agent import NixlAgent, Row
-from epd.transport.arena import Lease
+from epd.transport.arena import ARENA_COUNTERS, Lease, SharedCounters
 from epd.transport.base import Read
+from epd.transport.ec_consumer import PAGE_BYTES
 from epd.transport.errors import TransferError
 from epd.transport.location import LEASE_ID, decode_descriptors, encode_descriptors, location_tag, tag_matches
 from epd.transport.shared_buffer import SharedBuffer
@@ -53,6 +67,8 @@ logger = logging.getLogger(__name__)
 _LEASE_SEPARATOR = ","
 _KEY_BYTES = 32
 _CREDENTIALS_FORMAT = struct.Struct("<4sBIII")  # magic, version, then the three field lengths
+_CREDENTIALS_ARENA = struct.Struct("<QQQ")  # from version 2: the arena's address, bytes and unit
+_CREDENTIALS_VERSION = 2
 _CREDENTIALS_MAGIC = b"EPDT"
 
 
@@ -61,17 +77,25 @@ _CREDENTIALS_MAGIC = b"EPDT"
 
 @dataclasses.dataclass(frozen=True)
 class TransferCredentials:
-    """What a consumer needs to READ a producer's arena: secrets, handed out only over gRPC."""
+    """What a consumer needs to READ a producer's arena: secrets, handed out only over gRPC.
+
+    The arena fields (as in ``GetTransferMetadataResponse``) let a consumer prepare the arena's
+    descriptors once; all 0 when the producer does not say.
+    """
 
     agent_name: str
     agent_metadata: bytes
     location_key: bytes
+    arena_address: int = 0  # of the first slot, in the producer's process
+    arena_bytes: int = 0  # a whole number of units
+    arena_unit_bytes: int = 0  # the slot size: items start on a unit boundary and own whole units
 
     def save(self, buffer_name: str) -> SharedBuffer:
         """Writes them to a ``0600`` shared-memory file for the encoder service next to the
         engine (which serves ``GetTransferMetadata``); keep the buffer and close it at shutdown."""
         name = self.agent_name.encode()
-        blob = _CREDENTIALS_FORMAT.pack(_CREDENTIALS_MAGIC, 1, len(name), len(self.agent_metadata), len(self.location_key))
+        blob = _CREDENTIALS_FORMAT.pack(_CREDENTIALS_MAGIC, _CREDENTIALS_VERSION, len(name), len(self.agent_metadata), len(self.location_key))
+        blob += _CREDENTIALS_ARENA.pack(self.arena_address, self.arena_bytes, self.arena_unit_bytes)
         blob += name + self.agent_metadata + self.location_key
         buffer = SharedBuffer.create(buffer_name, len(blob))
         buffer.tensor.copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
@@ -87,10 +111,17 @@ class TransferCredentials:
         """
         raw = bytes(SharedBuffer.attach(buffer_name).tensor.numpy())
         magic, version, name_len, metadata_len, key_len = _CREDENTIALS_FORMAT.unpack_from(raw)
-        if magic != _CREDENTIALS_MAGIC or version != 1 or len(raw) != _CREDENTIALS_FORMAT.size + name_len + metadata_len + key_len:
+        # Version 1 (an engine started before the arena fields) has none: all 0.
+        arena_len = _CREDENTIALS_ARENA.size if version == _CREDENTIALS_VERSION else 0
+        if (
+            magic != _CREDENTIALS_MAGIC
+            or version not in (1, _CREDENTIALS_VERSION)
+            or len(raw) != _CREDENTIALS_FORMAT.size + arena_len + name_len + metadata_len + key_len
+        ):
             raise ValueError(f"shared buffer {buffer_name!r} holds no EPD transfer credentials")
-        body = raw[_CREDENTIALS_FORMAT.size :]
-        return cls(body[:name_len].decode(), body[name_len : name_len + metadata_len], body[name_len + metadata_len :])
+        arena = _CREDENTIALS_ARENA.unpack_from(raw, _CREDENTIALS_FORMAT.size) if arena_len else (0, 0, 0)
+        body = raw[_CREDENTIALS_FORMAT.size + arena_len :]
+        return cls(body[:name_len].decode(), body[name_len : name_len + metadata_len], body[name_len + metadata_len :], *arena)
 
 
 # ---- producer side ----------------------------------------------------------------------------
@@ -100,12 +131,18 @@ class NixlPublisher:
     """Producer side: one agent (no metadata listener), the arena buffer registered once."""
 
     def __init__(self, buffer: torch.Tensor, *, agent_name: str, bind_host: str) -> None:
+        """Args:
+        buffer: the :class:`~epd.transport.arena.EmbeddingArena`'s whole buffer, made before
+            this: the arena's slot layout, which the credentials tell consumers, is read from
+            the counters the arena wrote at the buffer's start (a buffer without them gives
+            consumers no arena; they then READ with per-READ descriptors).
+        """
         self._agent = NixlAgent(agent_name, bind_host=bind_host, progress_thread=True)
         self.agent_name = agent_name
         self._base = buffer.data_ptr()
         self._registration = self._agent.register(buffer)
         # Registered once, so the metadata never changes for the life of this process.
-        self.credentials = TransferCredentials(agent_name, self._agent.metadata(), secrets.token_bytes(_KEY_BYTES))
+        self.credentials = TransferCredentials(agent_name, self._agent.metadata(), secrets.token_bytes(_KEY_BYTES), *_arena_layout(buffer))
 
     def location(self, lease: Lease, expires_at_unix_s: float) -> NixlLocation:
         """How a consumer reaches a published lease: exactly its header and rows.
@@ -137,6 +174,20 @@ class NixlPublisher:
 
     def close(self) -> None:
         self._agent.deregister(self._registration)
+
+
+def _arena_layout(buffer: torch.Tensor) -> tuple[int, int, int]:
+    """(address of the first slot, bytes of all slots, slot bytes) of the arena over ``buffer``,
+    as :class:`~epd.transport.arena.EmbeddingArena` lays it out (slots after its counters), or
+    zeros when the buffer holds no arena's counters."""
+    nbytes = buffer.numel() * buffer.element_size()
+    if nbytes < SharedCounters.BYTES:
+        return 0, 0, 0
+    counters = SharedCounters(buffer.view(torch.uint8), ARENA_COUNTERS)
+    unit, slots = counters.get("slot_bytes"), counters.get("num_slots")
+    if not unit or not slots or SharedCounters.BYTES + unit * slots > nbytes:
+        return 0, 0, 0
+    return buffer.data_ptr() + SharedCounters.BYTES, unit * slots, unit
 
 
 class LeaseReleaser:
@@ -194,6 +245,16 @@ class _Producer:
     pending: list[_Pending] = dataclasses.field(default_factory=list)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Arena:
+    """A producer's arena, prepared in pages (see :meth:`NixlAgent.prepare`)."""
+
+    prepared: int
+    address: int  # of page 0
+    pages: int
+    unit_bytes: int  # the producer's slot size, a whole number of pages
+
+
 @dataclasses.dataclass
 class _Transfer:
     producer: str  # encoder address
@@ -211,6 +272,11 @@ class NixlReader:
     another's reads are ready, and no call blocks on the network. A read fails (never blocks)
     when its location does not verify, its lease is about to expire, its encoder cannot be
     reached, or the READ errs or outlives ``timeout_s``.
+
+    A read's destination is the whole pages (``PAGE_BYTES``, counted from the buffer's start)
+    that its bytes touch, as :class:`~epd.transport.ec_consumer.ConsumerScheduler` allocates
+    them: a READ through the prepared lists fills the last one to its end, with bytes of the
+    item's own slot on the producer.
     """
 
     def __init__(
@@ -231,6 +297,19 @@ class NixlReader:
         self._agent = NixlAgent(agent_name, bind_host=bind_host, progress_thread=False)
         self._base = buffer.data_ptr()
         self._registration = self._agent.register(buffer)
+        self._pages = buffer.numel() * buffer.element_size() // PAGE_BYTES
+        try:
+            self._local = self._agent.prepare(None, self._base, PAGE_BYTES, self._pages)
+        except TransferError:
+            self._agent.deregister(self._registration)
+            raise
+        self._arenas: dict[str, _Arena] = {}  # NIXL agent name -> its arena, prepared while its metadata is loaded
+        # Prepared arenas whose agent was dropped while a READ made from them ran: released
+        # once none does (agent name, handle).
+        self._retired: list[tuple[str, int]] = []
+        # Agents with a READ whose handle NIXL would not release (it may still run): their
+        # prepared lists, and this buffer's, are never released.
+        self._stuck: set[str] = set()
         self._timeout_s = timeout_s
         self._expiry_margin_ms = int(expiry_margin_s * 1000)
         self._channel_credentials = channel_credentials
@@ -279,6 +358,11 @@ class NixlReader:
         for transfer in self._transfers:
             self._release_handle(transfer)
         self._transfers.clear()
+        for name in list(self._arenas):
+            self._release_arena(name)
+        self._release_retired()
+        if not self._stuck:
+            self._agent.release_prepared(self._local)
         for producer in self._producers.values():
             if producer.fetch is not None:
                 producer.fetch.cancel()
@@ -350,7 +434,14 @@ class NixlReader:
                 producer.channel.close()
                 del self._producers[producer.address]
             return
-        fetched = TransferCredentials(response.agent_name, response.agent_metadata, response.location_key)
+        fetched = TransferCredentials(
+            response.agent_name,
+            response.agent_metadata,
+            response.location_key,
+            response.arena_address,
+            response.arena_bytes,
+            response.arena_unit_bytes,
+        )
         if fetched == producer.credentials and not producer.reload:
             producer.epoch += 1
             return
@@ -364,7 +455,8 @@ class NixlReader:
 
     def _load_incoming(self, producer: _Producer) -> None:
         """Swaps in newly fetched credentials once no READ from the old agent is running (NIXL
-        must not drop an agent's metadata under a running transfer)."""
+        must not drop an agent's metadata under a running transfer), and prepares the new
+        agent's arena."""
         old = producer.credentials
         if old is not None:
             if any(t.agent == old.agent_name for t in self._transfers):
@@ -383,8 +475,23 @@ class NixlReader:
         if old is not None:
             logger.info("encoder at %s: NIXL agent %r replaced by %r (restarted)", producer.address, old.agent_name, name)
         self._loaded[name] = producer.address
+        self._prepare_arena(producer, name, incoming)
         producer.credentials = incoming
         producer.epoch += 1
+
+    def _prepare_arena(self, producer: _Producer, name: str, credentials: TransferCredentials) -> None:
+        """Prepares the producer's arena in pages, if whole pages tile its slots; else its READs
+        carry their own descriptors."""
+        address, nbytes, unit = credentials.arena_address, credentials.arena_bytes, credentials.arena_unit_bytes
+        self._release_arena(name)  # one list per agent, prepared from the metadata loaded now
+        if not unit or unit % PAGE_BYTES or not nbytes or nbytes % unit:
+            return
+        try:
+            prepared = self._agent.prepare(name, address, PAGE_BYTES, nbytes // PAGE_BYTES)
+        except TransferError as exc:  # e.g. an arena outside the registered memory: a broken producer
+            logger.warning("encoder at %s: its arena cannot be prepared, so each READ carries its own descriptors: %s", producer.address, exc)
+            return
+        self._arenas[name] = _Arena(prepared, address, nbytes // PAGE_BYTES, unit)
 
     def _verifies(self, location: NixlLocation, credentials: TransferCredentials) -> bool:
         return location.agent_name == credentials.agent_name and tag_matches(location, credentials.location_key)
@@ -392,9 +499,7 @@ class NixlReader:
     def _post(self, producer: _Producer, reads: list[Read], now: float) -> None:
         agent = producer.credentials.agent_name
         cutoff_ms = time.time_ns() // 1_000_000 + self._expiry_margin_ms
-        local: list[Row] = []
-        remote: list[Row] = []
-        posted: list[Read] = []
+        posted: list[tuple[Read, list[Row]]] = []
         for read in reads:
             if read.location.expires_at_unix_ms <= cutoff_ms:
                 self._finished.append(
@@ -406,22 +511,60 @@ class NixlReader:
             except ValueError as exc:
                 self._finished.append((read.key, str(exc)))
                 continue
+            posted.append((read, rows))
+        if not posted:
+            return
+        notification = _LEASE_SEPARATOR.join(read.location.lease_id for read, _ in posted).encode()
+        arena = self._arenas.get(agent)
+        indices = self._page_indices(arena, posted) if arena is not None else None
+        try:
+            if indices is not None:
+                handle = self._agent.post_prepared_read(agent, self._local, indices[0], arena.prepared, indices[1], notification)
+            else:
+                handle = self._agent.post_read(agent, *self._ranges(posted), notification)
+        except TransferError as exc:
+            self._needs_reload(producer)  # most refusals mean the producer restarted or left
+            self._finished += [(read.key, str(exc)) for read, _ in posted]
+            return
+        self._transfers.append(_Transfer(producer.address, agent, handle, [read.key for read, _ in posted], now))
+
+    def _page_indices(self, arena: _Arena, posted: list[tuple[Read, list[Row]]]) -> tuple[np.ndarray, np.ndarray] | None:
+        """(local, remote) page indices for the prepared lists, each item rounded up to whole
+        pages, or None when some read cannot be put so safely: then the batch's READ carries
+        descriptors of exactly its reads' bytes (:meth:`_ranges`), as one READ still.
+
+        Rounding is safe when the item is one range starting on a slot of the arena (it owns
+        whole slots, and whole pages tile a slot) and its destination starts on a page of this
+        buffer (it owns the pages its bytes touch). Producers publish every item so, and
+        :class:`~epd.transport.ec_consumer.ConsumerScheduler` puts every item on a page.
+        """
+        local, remote = [], []
+        for read, rows in posted:
+            if len(rows) != 1:
+                return None
+            address, length, device = rows[0]
+            into_arena = address - arena.address
+            pages = -(-length // PAGE_BYTES)
+            first_local, off_page = divmod(read.offset, PAGE_BYTES)
+            if device or length <= 0 or off_page or read.offset < 0 or first_local + pages > self._pages:
+                return None
+            if into_arena < 0 or into_arena % arena.unit_bytes or into_arena // PAGE_BYTES + pages > arena.pages:
+                return None
+            local.append(np.arange(first_local, first_local + pages, dtype=np.int32))
+            remote.append(np.arange(into_arena // PAGE_BYTES, into_arena // PAGE_BYTES + pages, dtype=np.int32))
+        return np.concatenate(local), np.concatenate(remote)
+
+    def _ranges(self, posted: list[tuple[Read, list[Row]]]) -> tuple[list[Row], list[Row]]:
+        """(local, remote) descriptors of exactly the reads' bytes, for a READ of its own."""
+        local: list[Row] = []
+        remote: list[Row] = []
+        for read, rows in posted:
             address = self._base + read.offset
             for row in rows:
                 remote.append(row)
                 local.append((address, row[1], 0))
                 address += row[1]
-            posted.append(read)
-        if not posted:
-            return
-        notification = _LEASE_SEPARATOR.join(read.location.lease_id for read in posted).encode()
-        try:
-            handle = self._agent.post_read(agent, local, remote, notification)
-        except TransferError as exc:
-            self._needs_reload(producer)  # most refusals mean the producer restarted or left
-            self._finished += [(read.key, str(exc)) for read in posted]
-            return
-        self._transfers.append(_Transfer(producer.address, agent, handle, [read.key for read in posted], now))
+        return local, remote
 
     def _progress_transfers(self, now: float) -> None:
         running = []
@@ -441,6 +584,8 @@ class NixlReader:
                 error = "could not release the transfer handle"
             self._finished += [(key, error) for key in transfer.keys]
         self._transfers = running
+        if self._retired:
+            self._release_retired()
 
     def _release_handle(self, transfer: _Transfer) -> bool:
         try:
@@ -448,6 +593,7 @@ class NixlReader:
             return True
         except Exception:
             logger.exception("could not cancel a READ from NIXL agent %r", transfer.agent)
+            self._stuck.add(transfer.agent)
             return False
 
     def _needs_reload(self, producer: _Producer) -> None:
@@ -467,11 +613,31 @@ class NixlReader:
         self._finished += [(p.read.key, reason) for p in waiting]
 
     def _forget_agent(self, name: str) -> None:
+        # Its prepared arena goes with the metadata it was prepared from: NIXL refuses READs
+        # from it afterwards, even if the same agent is loaded again.
+        self._release_arena(name)
         self._loaded.pop(name, None)
         try:
             self._agent.forget_peer(name)
         except Exception:  # already gone on NIXL's side
             logger.debug("NIXL had no metadata left for agent %r", name, exc_info=True)
+
+    def _release_arena(self, name: str) -> None:
+        """Drops an agent's prepared arena: released now, or once no READ made from it runs."""
+        arena = self._arenas.pop(name, None)
+        if arena is not None:
+            self._retired.append((name, arena.prepared))
+            self._release_retired()
+
+    def _release_retired(self) -> None:
+        running = {t.agent for t in self._transfers} | self._stuck  # a stuck READ may still run
+        kept = []
+        for name, prepared in self._retired:
+            if name in running:
+                kept.append((name, prepared))
+            else:
+                self._agent.release_prepared(prepared)
+        self._retired = kept
 
 
 def _log_release_failure(call: grpc.Future, location: NixlLocation) -> None:

@@ -52,16 +52,22 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
     @rpc_method("encoder")
     async def GetTransferMetadata(self, request: encoder_pb2.GetTransferMetadataRequest, context) -> encoder_pb2.GetTransferMetadataResponse:
         """Hands a consumer the engine's NIXL agent metadata and location key (secrets: only
-        over this channel, which TLS protects where configured).
+        over this channel, which TLS protects where configured), and its arena's layout.
 
         Args:
             request: empty.
             context: the RPC context.
 
         Returns:
-            The agent's name and metadata, and the key that authenticates its locations.
+            The agent's name and metadata, the key that authenticates its locations, and the
+            arena's address, length and slot size (for the consumer's prepared descriptors).
         """
         credentials = self._ready_runner().transfer_credentials()
         return encoder_pb2.GetTransferMetadataResponse(
-            agent_name=credentials.agent_name, agent_metadata=credentials.agent_metadata, location_key=credentials.location_key
+            agent_name=credentials.agent_name,
+            agent_metadata=credentials.agent_metadata,
+            location_key=credentials.location_key,
+            arena_address=credentials.arena_address,
+            arena_bytes=credentials.arena_bytes,
+            arena_unit_bytes=credentials.arena_unit_bytes,
         )
