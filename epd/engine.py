@@ -445,6 +445,15 @@ def _configure_vllm_environment(config: EngineConfig) -> None:
     """
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    if config.role is not EngineRole.ENCODER:
+        # vLLM's CPU matmul builds a oneDNN primitive (about 0.3 MiB here) for every new row count
+        # M, the tokens of an engine step, and oneDNN's process-wide cache keeps up to 1024 of
+        # them. A prefilling engine sees a new M almost every step, so its memory grew by about
+        # 100 KiB a request for thousands of requests (soak benchmark). vLLM keeps its own small
+        # per-shape cache of them, so without oneDNN's the cost is a few more primitive builds
+        # (539 instead of 491 per 1000 requests, about 0.1 s). The encoder's steps repeat a few
+        # image sizes, and its tower's latency was not measured without the cache, so it keeps it.
+        os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "0")
     if config.role.kv_role is not None:
         from epd.transport._agent import configure_ucx
 
