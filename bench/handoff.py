@@ -251,14 +251,7 @@ class _TransferMetadata(encoder_pb2_grpc.EncoderServiceServicer):
 
     async def GetTransferMetadata(self, request, context):
         c = self._credentials
-        return encoder_pb2.GetTransferMetadataResponse(
-            agent_name=c.agent_name,
-            agent_metadata=c.agent_metadata,
-            location_key=c.location_key,
-            arena_address=c.arena_address,
-            arena_bytes=c.arena_bytes,
-            arena_unit_bytes=c.arena_unit_bytes,
-        )
+        return c.to_wire()
 
 
 async def _peer_async(conn: Connection, arena_bytes: int) -> None:

@@ -42,14 +42,7 @@ class _TransferMetadata(encoder_pb2_grpc.EncoderServiceServicer):
 
     def GetTransferMetadata(self, request, context):
         c = self._credentials
-        return encoder_pb2.GetTransferMetadataResponse(
-            agent_name=c.agent_name,
-            agent_metadata=c.agent_metadata,
-            location_key=c.location_key,
-            arena_address=c.arena_address,
-            arena_bytes=c.arena_bytes,
-            arena_unit_bytes=c.arena_unit_bytes,
-        )
+        return c.to_wire()
 
     def ReleaseEmbeddings(self, request, context):
         self._releaser.release(list(request.lease_ids))

@@ -47,6 +47,7 @@ import secrets
 import struct
 import time
 from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
@@ -61,13 +62,16 @@ from epd.transport.errors import TransferError
 from epd.transport.location import LEASE_ID, decode_descriptors, encode_descriptors, location_tag, tag_matches
 from epd.transport.shared_buffer import SharedBuffer
 
+if TYPE_CHECKING:
+    from epd.v1 import encoder_pb2
+
 logger = logging.getLogger(__name__)
 
 # A lease id list travels as one notification message, ids joined by this separator.
 _LEASE_SEPARATOR = ","
 _KEY_BYTES = 32
 _CREDENTIALS_FORMAT = struct.Struct("<4sBIII")  # magic, version, then the three field lengths
-_CREDENTIALS_ARENA = struct.Struct("<QQQ")  # from version 2: the arena's address, bytes and unit
+_CREDENTIALS_ARENA = struct.Struct("<QQQ")  # then the arena's address, bytes and unit
 _CREDENTIALS_VERSION = 2
 _CREDENTIALS_MAGIC = b"EPDT"
 
@@ -111,17 +115,23 @@ class TransferCredentials:
         """
         raw = bytes(SharedBuffer.attach(buffer_name).tensor.numpy())
         magic, version, name_len, metadata_len, key_len = _CREDENTIALS_FORMAT.unpack_from(raw)
-        # Version 1 (an engine started before the arena fields) has none: all 0.
-        arena_len = _CREDENTIALS_ARENA.size if version == _CREDENTIALS_VERSION else 0
-        if (
-            magic != _CREDENTIALS_MAGIC
-            or version not in (1, _CREDENTIALS_VERSION)
-            or len(raw) != _CREDENTIALS_FORMAT.size + arena_len + name_len + metadata_len + key_len
-        ):
+        # The engine that writes the file and the service that reads it are one deployment.
+        header_len = _CREDENTIALS_FORMAT.size + _CREDENTIALS_ARENA.size
+        if magic != _CREDENTIALS_MAGIC or version != _CREDENTIALS_VERSION or len(raw) != header_len + name_len + metadata_len + key_len:
             raise ValueError(f"shared buffer {buffer_name!r} holds no EPD transfer credentials")
-        arena = _CREDENTIALS_ARENA.unpack_from(raw, _CREDENTIALS_FORMAT.size) if arena_len else (0, 0, 0)
-        body = raw[_CREDENTIALS_FORMAT.size + arena_len :]
+        arena = _CREDENTIALS_ARENA.unpack_from(raw, _CREDENTIALS_FORMAT.size)
+        body = raw[header_len:]
         return cls(body[:name_len].decode(), body[name_len : name_len + metadata_len], body[name_len + metadata_len :], *arena)
+
+    def to_wire(self) -> encoder_pb2.GetTransferMetadataResponse:
+        """The ``GetTransferMetadata`` answer that hands them to a consumer."""
+        from epd.v1 import encoder_pb2
+
+        return encoder_pb2.GetTransferMetadataResponse(**dataclasses.asdict(self))
+
+    @classmethod
+    def from_wire(cls, response: encoder_pb2.GetTransferMetadataResponse) -> TransferCredentials:
+        return cls(**{field.name: getattr(response, field.name) for field in dataclasses.fields(cls)})
 
 
 # ---- producer side ----------------------------------------------------------------------------
@@ -434,14 +444,7 @@ class NixlReader:
                 producer.channel.close()
                 del self._producers[producer.address]
             return
-        fetched = TransferCredentials(
-            response.agent_name,
-            response.agent_metadata,
-            response.location_key,
-            response.arena_address,
-            response.arena_bytes,
-            response.arena_unit_bytes,
-        )
+        fetched = TransferCredentials.from_wire(response)
         if fetched == producer.credentials and not producer.reload:
             producer.epoch += 1
             return

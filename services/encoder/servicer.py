@@ -62,12 +62,4 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             The agent's name and metadata, the key that authenticates its locations, and the
             arena's address, length and slot size (for the consumer's prepared descriptors).
         """
-        credentials = self._ready_runner().transfer_credentials()
-        return encoder_pb2.GetTransferMetadataResponse(
-            agent_name=credentials.agent_name,
-            agent_metadata=credentials.agent_metadata,
-            location_key=credentials.location_key,
-            arena_address=credentials.arena_address,
-            arena_bytes=credentials.arena_bytes,
-            arena_unit_bytes=credentials.arena_unit_bytes,
-        )
+        return self._ready_runner().transfer_credentials().to_wire()
