@@ -54,7 +54,7 @@ import random
 import shutil
 import tempfile
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -534,22 +534,18 @@ class _Scale:
         return self.text_hidden // self.text_heads
 
 
+# About 0.7M parameters, 3 MB: what tests and the demo run on.
+_TINY = _Scale(text_hidden=128, text_intermediate=256, text_layers=2, text_heads=2, text_kv_heads=1, num_shards=3)
 _SCALES: dict[str, _Scale] = {
-    # About 0.7M parameters, 3 MB: what tests and the demo run on.
-    "tiny": _Scale(text_hidden=128, text_intermediate=256, text_layers=2, text_heads=2, text_kv_heads=1, num_shards=3),
+    "tiny": _TINY,
     # About 15M parameters (60 MB) per decoder layer, 15 layers: 0.9 GB in 16 shards, built in
     # seconds. Only for loading benchmarks: too slow to serve on CPU in tests.
     "bench": _Scale(text_hidden=1024, text_intermediate=4096, text_layers=15, text_heads=16, text_kv_heads=2, num_shards=16),
     # The tiny language model behind a vision tower whose work is worth saving, and images of up
     # to 32 x 32 tokens (896 px a side at patch 14, as the released Qwen2.5-VL's 1024-token
     # images). For the encoder-output reuse benchmark.
-    "costly_tower": _Scale(
-        text_hidden=128,
-        text_intermediate=256,
-        text_layers=2,
-        text_heads=2,
-        text_kv_heads=1,
-        num_shards=3,
+    "costly_tower": replace(
+        _TINY,
         vision_depth=8,
         vision_hidden=256,
         vision_intermediate=1024,

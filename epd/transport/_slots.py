@@ -6,6 +6,10 @@ into slots, the consumer's receive buffer into pages. Neither is thread-safe; ca
 
 from __future__ import annotations
 
+# The consumer's receive buffer is carved into pages of this size; the reader's prepared
+# descriptor lists name the same pages.
+PAGE_BYTES = 4096
+
 _FREE = 0
 _USED = 1
 

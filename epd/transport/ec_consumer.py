@@ -22,7 +22,7 @@ import time
 from typing import TYPE_CHECKING
 
 from epd.domain import EmbeddingLocation, InlineEmbedding, NixlLocation
-from epd.transport._slots import SlotAllocator
+from epd.transport._slots import PAGE_BYTES, SlotAllocator
 from epd.transport.arena import SharedCounters
 from epd.transport.base import Read, Reader
 from epd.transport.ec_params import ExpectedItem, expected_from_params
@@ -37,7 +37,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-PAGE_BYTES = 4096
 # A request that waits this long for pages while vLLM's encoder cache pins others is worth a loud
 # log line: the buffer is probably smaller than what that cache may hold.
 _STALL_REPORT_S = 5.0

@@ -55,9 +55,9 @@ import torch
 
 from epd.domain import NixlLocation
 from epd.transport._agent import NixlAgent, Row
+from epd.transport._slots import PAGE_BYTES
 from epd.transport.arena import ARENA_COUNTERS, Lease, SharedCounters
 from epd.transport.base import Read
-from epd.transport.ec_consumer import PAGE_BYTES
 from epd.transport.errors import TransferError
 from epd.transport.location import LEASE_ID, decode_descriptors, encode_descriptors, location_tag, tag_matches
 from epd.transport.shared_buffer import SharedBuffer
