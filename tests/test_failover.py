@@ -171,9 +171,10 @@ async def test_a_decode_killed_mid_stream_ends_its_stream_and_later_requests_are
         stack.wait_ready([gateway], timeout=120)
         stub = gateway_stub(gateway.address)
         # A stream on the doomed decode: the gateway prefers instances whose health it has heard
-        # from, and ties rotate, so within a few tries one lands there.
+        # from, and ties rotate, so within a few tries one lands there. The stream is long enough
+        # (seconds at a few ms per token) that the kill always lands before it could finish.
         for _ in range(4):
-            stream = stub.Generate(_request(2, max_tokens=200), timeout=120)
+            stream = stub.Generate(_request(2, max_tokens=3000), timeout=120)
             first = await stream.read()
             assert first.HasField("delta") and first.delta.token_ids
             if scrape(doomed.metrics_port).get("epd_requests_in_flight{service=decode}") == 1.0:
