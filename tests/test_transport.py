@@ -30,6 +30,7 @@ from epd.transport.arena import EmbeddingArena, SharedCounters
 from epd.transport.ec_config import ConnectorConfig
 from epd.transport.ec_consumer import ConsumerScheduler
 from epd.transport.ec_params import ExpectedItem, expected_to_params
+from epd.transport.errors import TransferError
 from epd.transport.location import decode_descriptors, encode_descriptors, location_tag
 from epd.transport.nixl import LeaseReleaser, NixlReader, Read, TransferCredentials
 from epd.transport.shared_buffer import SharedBuffer
@@ -429,6 +430,33 @@ def test_a_restarted_producer_at_the_same_address_is_fetched_afresh(reader, rece
         assert second("reap_until_idle") == 0
     finally:
         _stop(second)
+
+
+def test_a_producer_whose_metadata_nixl_refused_is_loaded_afresh_for_the_next_read(producer, reader, receive_buffer, releaser, monkeypatch):
+    """The field failure: a consumer whose UCX could not reach the encoder (a wrong network
+    device) got NIXL_ERR_BACKEND loading its metadata. That read failed, but every later read
+    from that encoder waited for a fetch that never came, until the client's deadline."""
+    agent, real_load = reader._agent, type(reader._agent).load_peer
+    refusals = []
+
+    def load_peer_refused_once(metadata):
+        if not refusals:  # what NIXL's loadRemoteMD answered there, raised as the agent raises it
+            refusals.append(metadata)
+            raise TransferError("NIXL refused a peer's metadata: nixlBackendError('NIXL_ERR_BACKEND')")
+        return real_load(agent, metadata)
+
+    monkeypatch.setattr(agent, "load_peer", load_peer_refused_once)
+    refused = producer("publish", 61, 2, 64, "float32")
+    reader.submit([Read("refused", refused, SharedCounters.BYTES)])
+    assert "NIXL_ERR_BACKEND" in _drain(reader, 1)["refused"]
+    served = producer("publish", 62, 2, 64, "float32")
+    started = time.monotonic()
+    reader.submit([Read("served", served, SharedCounters.BYTES)])
+    assert _drain(reader, 1, timeout_s=5.0) == {"served": None} and time.monotonic() - started < 2.0
+    assert torch.equal(_rows_at(receive_buffer, SharedCounters.BYTES, 2, 64, "float32"), make_rows(62, 2, 64))
+    assert len(refusals) == 1
+    releaser.release([refused.lease_id])  # never read: its owner ends it, as the gateway does
+    assert producer("reap_until_idle") == 0
 
 
 # --- The consumer's scheduling, with the real reader ---------------------------------------

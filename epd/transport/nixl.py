@@ -472,7 +472,10 @@ class NixlReader:
                 self._forget_agent(name)
                 raise TransferError(f"the encoder at {producer.address} sent metadata of agent {name!r} as {incoming.agent_name!r}")
         except TransferError as exc:
+            # Nothing is loaded now, so the next read must fetch and load afresh: without
+            # ``reload`` it would wait for a fetch that counts as done and never comes.
             producer.epoch += 1
+            producer.reload = True
             self._fail_waiting(producer, str(exc))
             return
         if old is not None:
