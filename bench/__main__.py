@@ -29,7 +29,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--iterations", type=int, default=None, help="handoff: transfers per size")
     parser.add_argument("--num-items", type=int, default=None, help="encoder_throughput: images per pass")
     parser.add_argument("--results-dir", type=pathlib.Path, default=RESULTS_DIR)
-    parser.add_argument("--report", type=pathlib.Path, default=None, help="where to write BENCHMARKS.md (default: the repo root)")
+    parser.add_argument(
+        "--report", type=pathlib.Path, default=None, help="where to write BENCHMARKS.md (default: the repo root for the committed results, else beside the results)"
+    )
     args = parser.parse_args(argv)
     chosen = [name.strip() for name in args.only.split(",") if name.strip()]
     unknown = sorted(set(chosen) - set(EXPERIMENTS))
@@ -86,7 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     from bench.report import write_plots, write_report
 
     write_plots(args.results_dir)
-    report = write_report(args.results_dir, **({"out": args.report} if args.report else {}))
+    # A scratch results directory must not turn the committed BENCHMARKS.md into its own partial report.
+    out = args.report or (None if args.results_dir.resolve() == RESULTS_DIR.resolve() else args.results_dir / "BENCHMARKS.md")
+    report = write_report(args.results_dir, **({"out": out} if out else {}))
     progress(f"wrote {report} in {time.perf_counter() - started:.0f} s")
     return 0
 
