@@ -86,6 +86,11 @@ class EngineConfig:
     nixl_listen_host: str = "127.0.0.1"  # the host whose network device the encoder's NIXL agent (UCX) listens on
     embedding_read_timeout_s: float = 10.0
 
+    @property
+    def mm_per_prompt(self) -> dict[str, int]:
+        """The most items of each modality one prompt may hold (vLLM's limit_mm_per_prompt)."""
+        return {"image": self.max_images_per_prompt, "video": self.max_videos_per_prompt, "audio": self.max_audios_per_prompt}
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineStep:
@@ -170,7 +175,7 @@ class Engine:
             max_num_seqs=config.max_num_seqs,
             enforce_eager=True,
             seed=config.seed,
-            limit_mm_per_prompt={"image": config.max_images_per_prompt, "video": config.max_videos_per_prompt, "audio": config.max_audios_per_prompt},
+            limit_mm_per_prompt=config.mm_per_prompt,
             # Decode gets metadata-only items; prefill and combined also accept them (vLLM turns
             # this on for EC and KV consumers by itself).
             enable_mm_embeds=config.role is not EngineRole.ENCODER,
@@ -351,6 +356,11 @@ class Engine:
                 return
             await self._llm.notify_kv_transfer_request_rejected(f"{request_id}-step-{index}-{uuid.uuid4().hex[:8]}", {})
 
+    @property
+    def encoder_output_cache_bytes(self) -> int:
+        """The arena bytes an encoder keeps as its encoder-output cache (0: off)."""
+        return self.config.encoder_cache_bytes if self.config.caches else 0
+
     def _ec_transfer_config(self) -> dict[str, Any]:
         from epd.transport.ec_config import ConnectorConfig
 
@@ -361,7 +371,7 @@ class Engine:
             buffer_bytes=config.embedding_buffer_bytes,
             slot_bytes=config.arena_slot_bytes,
             lease_ttl_s=config.lease_ttl_s,
-            cache_bytes=config.encoder_cache_bytes if config.caches else 0,
+            cache_bytes=self.encoder_output_cache_bytes,
             shared_cache_master=config.shared_cache_master if config.caches else "",
             shared_cache_metadata=config.shared_cache_metadata,
             listen_host=config.nixl_listen_host,

@@ -1,6 +1,7 @@
 """The encoder-output cache (issue 10, item 1): an item sent again, in a later request or in
-concurrent ones, is encoded once; the arena serves the repeats, or, once its encoder is gone,
-the shared tier does, and the tokens stay those of monolithic vLLM.
+concurrent ones, is encoded once; the arena serves the repeats (a request whose every item it
+holds without an engine step, through the cache desk), or, once its encoder is gone, the shared
+tier does, and the tokens stay those of monolithic vLLM.
 
 The proof that the tower did not run is vLLM's own scheduling: ``epd_encoder_batch_items``
 counts the items the encoder engine scheduled for its tower.
@@ -35,6 +36,13 @@ def _grown(before: dict[str, float], after: dict[str, float]) -> tuple[float, fl
     return tuple(after.get(name, 0.0) - before.get(name, 0.0) for name in (_TOWER_RUNS, _HITS, _MISSES))
 
 
+def _engine_requests(metrics: dict[str, float]) -> float:
+    """Requests the encoder's vLLM engine finished, whatever their reason."""
+    counts = [value for name, value in metrics.items() if name.startswith("vllm:request_success_total")]
+    assert counts, "the encoder exports no vllm:request_success_total"
+    return sum(counts)
+
+
 # bf16 too: a cached fill is the tower's bf16 output, bit for bit, so tokens stay monolithic bf16's.
 @pytest.mark.parametrize("family", [DEFAULT_FAMILY, stack_key("qwen2_5_omni", BF16)])
 async def test_a_repeated_item_is_encoded_once_and_decodes_to_the_monolithic_tokens(family_stack, family):
@@ -45,10 +53,13 @@ async def test_a_repeated_item_is_encoded_once_and_decodes_to_the_monolithic_tok
     before = scrape(encoder.metrics_port)
     assert (await generate(epd, first, timeout=120)).token_ids == oracle[0]
     assert _grown(before, scrape(encoder.metrics_port)) == (1, 0, 1)
-    # The same image in the next turn, with other text: served from the arena, no tower run.
+    assert _engine_requests(scrape(encoder.metrics_port)) > _engine_requests(before)
+    # The same image in the next turn, with other text: served from the arena, no tower run,
+    # and not even an engine step: the cache desk leased the held output beside the engine.
     middle = scrape(encoder.metrics_port)
     assert (await generate(epd, follow_up, timeout=120)).token_ids == oracle[1]
     assert _grown(middle, scrape(encoder.metrics_port)) == (0, 1, 0)
+    assert _engine_requests(scrape(encoder.metrics_port)) == _engine_requests(middle)
     # The follow-up's lease pins the entry (pinned bytes are not cache bytes) until the prefill,
     # which already holds the rows, releases it in the background.
     assert await wait_for_metric(encoder.metrics_port, "epd_arena_leases", 0.0) == 0.0
@@ -64,6 +75,23 @@ async def test_concurrent_requests_for_a_new_item_run_the_tower_once(family_stac
     results = await asyncio.gather(*(generate(epd, r, timeout=120) for r in requests))
     assert [r.token_ids for r in results] == oracle
     assert _grown(before, scrape(encoder.metrics_port)) == (1, 2, 1)
+    assert await wait_for_metric(encoder.metrics_port, "epd_arena_leases", 0.0) == 0.0
+
+
+async def test_a_request_with_a_held_and_a_new_item_runs_the_engine_for_both_and_leaks_no_lease(family_stack):
+    """The cache desk serves a request whole or not at all: the lease it took on the held item is
+    given back, and the engine serves that item from the arena while its tower encodes the new one."""
+    encoder, epd, monolithic = family_stack.encoder, family_stack.gateway_stub("epd"), family_stack.gateway_stub("monolithic")
+    held, new = synthetic_image_png(128, 96, seed=7303), synthetic_image_png(96, 128, seed=7304)
+    warm = _request(7303, "What is this?")
+    both = chat_request([(held, "image/png"), (new, "image/png"), "Compare them."], max_tokens=6, min_tokens=6)
+    oracle = (await generate(monolithic, both, timeout=120)).token_ids
+    await generate(epd, warm, timeout=120)
+    before = scrape(encoder.metrics_port)
+    assert (await generate(epd, both, timeout=120)).token_ids == oracle
+    after = scrape(encoder.metrics_port)
+    assert _grown(before, after) == (1, 1, 1)
+    assert _engine_requests(after) > _engine_requests(before)  # the desk declined it
     assert await wait_for_metric(encoder.metrics_port, "epd_arena_leases", 0.0) == 0.0
 
 

@@ -27,6 +27,7 @@ from epd.domain import InlineEmbedding, NixlLocation
 from epd.errors import InvalidArgument
 from epd.ports import free_port
 from epd.transport.arena import EmbeddingArena, SharedCounters
+from epd.transport.cache_desk import CacheDesk, CacheDeskClient
 from epd.transport.ec_config import ConnectorConfig
 from epd.transport.ec_consumer import ConsumerScheduler
 from epd.transport.ec_params import ExpectedItem, expected_to_params
@@ -746,3 +747,32 @@ def test_a_fill_that_was_not_written_is_never_shared_again(caching_arena):
     assert caching_arena.counters.get("free_slots") == 4 and caching_arena.counters.get("cache_bytes") == 0
     fresh = caching_arena.reserve(1000, "a")
     assert fresh.generation != pending.generation
+
+
+# --- The cache desk's channel --------------------------------------------------------------
+
+
+def test_the_cache_desk_answers_lookups_and_its_client_survives_a_restart():
+    name = f"test-desk-{uuid.uuid4().hex[:8]}"
+    client = CacheDeskClient(name, timeout_s=2.0)
+    try:
+        assert client.lease(["a"]) is None  # no desk yet: the engine path serves the request
+        asked: list[list[str]] = []
+
+        def grant(keys: list[str]) -> dict | None:
+            asked.append(keys)
+            return {key: {"rows": len(key), "tag": key.encode()} for key in keys} if all(k.startswith("held") for k in keys) else None
+
+        desk = CacheDesk(name, grant)
+        assert desk.path.stat().st_mode & 0o777 == 0o600
+        assert client.lease(["held-1", "held-22"]) == {"held-1": {"rows": 6, "tag": b"held-1"}, "held-22": {"rows": 7, "tag": b"held-22"}}
+        assert client.lease(["held-1", "new"]) is None
+        desk.close()
+        assert not desk.path.exists()
+        assert client.lease(["held-1"]) is None  # the engine restarted: its old desk is gone
+        desk = CacheDesk(name, grant)
+        assert client.lease(["held-1"]) == {"held-1": {"rows": 6, "tag": b"held-1"}}
+        desk.close()
+        assert asked == [["held-1", "held-22"], ["held-1", "new"], ["held-1"]]
+    finally:
+        client.close()

@@ -23,6 +23,10 @@ there once published: an encoder serves items that another encoder encoded.
 A request waits in vLLM's queue while the arena has no room for it (backpressure, like a full
 KV cache); a background thread ends leases as consumers' READ notifications arrive and as
 TTLs pass.
+
+With the cache on, a request whose every item is held published is served without the engine:
+the encoder service asks the cache desk (:mod:`epd.transport.cache_desk`), which leases the fills
+from its own thread and answers with what vLLM published of each item when its tower ran.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from epd.mm_items import engine_field_from_vllm
 from epd.transport.arena import MODALITIES, EmbeddingArena, Lease
 from epd.transport.base import Publisher
+from epd.transport.cache_desk import CacheDesk
 from epd.transport.ec_config import ConnectorConfig
 from epd.transport.ec_params import PublishedItem, published_to_params
 from epd.transport.shared_buffer import SharedBuffer
@@ -51,6 +56,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _REAP_INTERVAL_S = 0.02
+# What vLLM published of this many items is kept for the cache desk. It is a function of the
+# item's content and the model alone, so it may outlive the fill, and a fill encoded again
+# needs no new entry; the bound only caps memory (an entry is a few hundred bytes).
+_PUBLISHED_ITEMS_KEPT = 8192
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +117,9 @@ class ProducerScheduler:
         self._unavailable: set[str] = set()
         self._restores: list[Restore] = []  # for the worker, with the next step's metadata
         self._publish_item_sizes()
+        self._counting = threading.Lock()  # the cache desk's thread counts hits too
+        self._published_items: dict[str, PublishedItem] = {}  # key -> what vLLM published of it, without a location
+        self._desk = CacheDesk(config.buffer_name("desk"), self._grant_held) if config.cache_bytes > 0 else None
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="epd-ec-reaper", daemon=True)
         self._reaper.start()
@@ -157,9 +169,7 @@ class ProducerScheduler:
                     SlotHeader(SlotStatus.PENDING, self._dtype, lease.generation, rows, width).pack_into(self._buffer.tensor, lease.offset)
             reservations[key] = _Reservation(feature.modality, lease, rows, width, cached)
         hits = sum(r.cached for r in reservations.values())
-        counters = self._arena.counters
-        counters.set("cache_hits", counters.get("cache_hits") + hits)
-        counters.set("cache_misses", counters.get("cache_misses") + len(reservations) - hits)
+        self._count(cache_hits=hits, cache_misses=len(reservations) - hits)
         self._requests[request.request_id] = reservations
         self._modalities[request.request_id] = [f.modality for f in request.mm_features]
         return True
@@ -228,6 +238,8 @@ class ProducerScheduler:
         return published_to_params(published)
 
     def close(self) -> None:
+        if self._desk is not None:
+            self._desk.close()
         self._stop.set()
         self._reaper.join(timeout=1)
         if self._shared is not None:
@@ -238,6 +250,40 @@ class ProducerScheduler:
         self._buffer.close()
 
     # ---- internals ----------------------------------------------------------------------
+
+    def _grant_held(self, keys: list[str]) -> dict[str, Any] | None:
+        """The cache desk's answer (on its thread): a lease on the published fill of every key,
+        with what vLLM published of each, as ``ec_transfer_params``; or None, leasing nothing,
+        unless every key is held."""
+        granted: dict[str, PublishedItem] = {}
+        leases: list[str] = []
+        for key in dict.fromkeys(keys):
+            item = self._published_items.get(key)
+            lease = self._arena.share(key) if item is not None else None
+            if lease is not None:
+                leases.append(lease.lease_id)
+            if lease is None or not self._arena.is_written(lease.lease_id):  # absent, or still being written
+                for lease_id in leases:
+                    self._arena.release(lease_id)
+                return None
+            granted[key] = dataclasses.replace(item, location=self._publisher.location(lease, self._arena.publish(lease.lease_id)))
+        self._count(cache_hits=len(granted))
+        return published_to_params(granted)
+
+    def _count(self, **amounts: int) -> None:
+        counters = self._arena.counters
+        with self._counting:
+            for name, amount in amounts.items():
+                counters.set(name, counters.get(name) + amount)
+
+    def _remember(self, key: str, item: PublishedItem) -> None:
+        """Keeps what vLLM published of an item for the cache desk (its oldest entries go first)."""
+        if self._desk is None:
+            return
+        self._published_items.pop(key, None)
+        self._published_items[key] = item
+        while len(self._published_items) > _PUBLISHED_ITEMS_KEPT:
+            del self._published_items[next(iter(self._published_items))]
 
     def _publish_item_sizes(self) -> None:
         """What an item of each modality costs per row, so that the encoder service can refuse
@@ -285,6 +331,7 @@ class ProducerScheduler:
         location = self._publisher.location(lease, self._arena.publish(lease.lease_id))
         if self._shared is not None and not reservation.cached:
             self._share(feature.identifier)
+        self._remember(feature.identifier, item)
         return dataclasses.replace(item, location=location)
 
     def _fill_from_shared_tier(self, key: str, lease: Lease, rows: int, width: int) -> bool:
@@ -301,8 +348,7 @@ class ProducerScheduler:
             return False
         dataclasses.replace(header, generation=lease.generation).pack_into(self._buffer.tensor, lease.offset)
         self._arena.mark_written(lease.lease_id)
-        counters = self._arena.counters
-        counters.set("cache_shared_hits", counters.get("cache_shared_hits") + 1)
+        self._count(cache_shared_hits=1)
         return True
 
     def _share(self, key: str) -> None:

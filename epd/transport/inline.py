@@ -7,6 +7,7 @@ the consumer checks the size instead, and there is no lease that could be reused
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Hashable, Sequence
 
 import torch
@@ -25,13 +26,16 @@ class InlinePublisher:
     def __init__(self, buffer: torch.Tensor) -> None:
         self._buffer = buffer
         self._ended: list[str] = []
+        self._lock = threading.Lock()  # the cache desk's thread publishes too
 
     def location(self, lease: Lease, expires_at_unix_s: float) -> InlineEmbedding:
-        self._ended.append(lease.lease_id)  # the bytes travel in the message: nothing to wait for
+        with self._lock:
+            self._ended.append(lease.lease_id)  # the bytes travel in the message: nothing to wait for
         return InlineEmbedding(self._buffer[lease.offset + HEADER_BYTES : lease.offset + lease.nbytes].numpy().tobytes())
 
     def ended_leases(self) -> list[str]:
-        ended, self._ended = self._ended, []
+        with self._lock:
+            ended, self._ended = self._ended, []
         return ended
 
     def close(self) -> None:

@@ -40,7 +40,7 @@ class SharedBuffer:
         if nbytes <= 0:
             raise ValueError(f"a shared buffer needs a positive size, got {nbytes}")
         remove_stale()
-        path = _SHM_DIR / f"{_PREFIX}{name}.{os.getpid()}"
+        path = owned_path(name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.ftruncate(fd, nbytes)
@@ -55,10 +55,7 @@ class SharedBuffer:
         Raises:
             FileNotFoundError: nobody created it (yet).
         """
-        matches = sorted(_SHM_DIR.glob(f"{_PREFIX}{name}.*"))
-        if not matches:
-            raise FileNotFoundError(f"no shared buffer named {name!r} in {_SHM_DIR}")
-        path = matches[-1]
+        path = find(name)
         nbytes = path.stat().st_size
         return cls(path, torch.from_file(str(path), shared=True, size=nbytes, dtype=torch.uint8), owner=False)
 
@@ -72,6 +69,24 @@ class SharedBuffer:
             with contextlib.suppress(FileNotFoundError):
                 self.path.unlink()
             self._owner = False
+
+
+def owned_path(name: str) -> pathlib.Path:
+    """This process's file called ``name`` (a buffer, or a socket beside one): the PID in the
+    file name lets a later start remove it if this process dies without doing so."""
+    return _SHM_DIR / f"{_PREFIX}{name}.{os.getpid()}"
+
+
+def find(name: str) -> pathlib.Path:
+    """The file another process made under ``name`` (:func:`owned_path`).
+
+    Raises:
+        FileNotFoundError: nobody made it (yet).
+    """
+    matches = sorted(_SHM_DIR.glob(f"{_PREFIX}{name}.*"))
+    if not matches:
+        raise FileNotFoundError(f"no shared buffer named {name!r} in {_SHM_DIR}")
+    return matches[-1]
 
 
 def remove_stale() -> None:

@@ -4,7 +4,9 @@ metadata and embedding locations.
 
 vLLM owns everything model-specific here: its processor lays each item out and its tower encodes
 it; its scheduler batches items across concurrent requests; the EC connector publishes each
-output in the arena (``epd.transport.ec_connector``).
+output in the arena (``epd.transport.ec_connector``). A request whose every item the arena holds
+is served by the connector's cache desk instead (``epd.transport.cache_desk``), with what vLLM
+published of each item when its tower ran: no decode, no processor, no engine step.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from epd.media import MediaLimits, check_modalities, source_field
 from epd.media.decode import MediaDecoder, vllm_input
 from epd.mm_items import metadata_from_published
 from epd.prompt import PromptRenderer
-from epd.transport.ec_params import published_from_params
+from epd.transport.cache_desk import CacheDeskClient
+from epd.transport.ec_params import PublishedItem, published_from_params
 from epd.transport.slot_header import HEADER_BYTES
 
 logger = logging.getLogger(__name__)
@@ -53,6 +56,8 @@ class EncoderRunner:
         self.renderer = PromptRenderer(engine.config.model)
         self._releaser = None
         self._credentials = None  # the engine's NIXL transfer credentials, read on first use
+        self._desk = CacheDeskClient(f"{engine.engine_id}-desk") if engine.encoder_output_cache_bytes > 0 else None
+        self._cleanups: set[asyncio.Task] = set()  # releases of leases whose request was cancelled
 
     async def encode(self, request_id: str, items: list[MediaInput]) -> list[EncodedItem]:
         """Encodes one request's items, in order. All are decoded before any reaches the engine,
@@ -60,12 +65,13 @@ class EncoderRunner:
         paths = [f"items[{i}]" for i in range(len(items))]
         check_modalities(items, paths, self.engine.modalities)
         started = time.perf_counter()
-        # Off the event loop: a video decode takes long enough to stall other calls.
-        decoded = await asyncio.to_thread(self.decoder.decode_all, items, paths)
-        rendered = await self._render(items, decoded, paths)
-        self._check_fits(rendered, paths)
-        params = await self._run(f"{request_id}-encode", rendered)
-        published = published_from_params(params)
+        published = await self._held(items)
+        if published is None:
+            # Off the event loop: a video decode takes long enough to stall other calls.
+            decoded = await asyncio.to_thread(self.decoder.decode_all, items, paths)
+            rendered = await self._render(items, decoded, paths)
+            self._check_fits(rendered, paths)
+            published = published_from_params(await self._run(f"{request_id}-encode", rendered))
         encoded = []
         for path, item in zip(paths, items, strict=True):
             entry = published.get(item.content_hash)
@@ -109,8 +115,37 @@ class EncoderRunner:
     def close(self) -> None:
         if self._releaser is not None:
             self._releaser.close()
+        if self._desk is not None:
+            self._desk.close()
 
     # ---- internals ----------------------------------------------------------------------
+
+    async def _held(self, items: list[MediaInput]) -> dict[str, PublishedItem] | None:
+        """The items' outputs as the cache desk leased them, when the arena holds every one;
+        else None. Only requests the engine itself would take: vLLM's processor, which a held
+        item skips, refuses more items per prompt than the model's limits."""
+        if self._desk is None:
+            return None
+        counts: dict[str, int] = defaultdict(int)
+        for item in items:
+            counts[item.modality.value] += 1
+        if any(count > self.engine.config.mm_per_prompt.get(modality, 0) for modality, count in counts.items()):
+            return None
+        lookup = asyncio.ensure_future(asyncio.to_thread(self._desk.lease, [item.content_hash for item in items]))
+        try:
+            params = await asyncio.shield(lookup)
+        except asyncio.CancelledError:
+            lookup.add_done_callback(self._release_unclaimed)  # the caller is gone: nobody will read them
+            raise
+        return published_from_params(params) if params is not None else None
+
+    def _release_unclaimed(self, lookup: asyncio.Future) -> None:
+        if lookup.cancelled() or lookup.exception() is not None or lookup.result() is None:
+            return
+        leases = [item.location.lease_id for item in published_from_params(lookup.result()).values() if isinstance(item.location, NixlLocation)]
+        task = asyncio.get_running_loop().create_task(self.release(leases))
+        self._cleanups.add(task)
+        task.add_done_callback(self._cleanups.discard)
 
     def _prompt(self, items: list[MediaInput], decoded: list) -> dict:
         data: dict[str, list] = defaultdict(list)
