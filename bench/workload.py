@@ -203,6 +203,7 @@ async def run_load(address: str, requests: Sequence[gateway_pb2.GenerateRequest]
         "gateway_overhead_ms": _ms(summarize([r.e2el_s - r.stage_s for r in ok])),
         "stage_ms": {name: _ms(summarize([r.stages_s[name] for r in ok])) for name in STAGES},
         "outputs": [list(r.token_ids) for r in records],
+        "ttft_s_each": [r.ttft_s if r.ok else None for r in records],  # in request order
     }
 
 
