@@ -303,7 +303,7 @@ def _encoder_cache(doc: dict) -> list[str]:
         if arm == "cache off" or not (off and off["ttft_ms"]["median"]):
             continue
         ratio = r["ttft_ms"]["median"] / off["ttft_ms"]["median"]
-        notes.append(f"TTFT p50 of '{arm}': {ratio:.2f}x the cache-off arm's.")
+        notes.append(f"TTFT p50 of '{arm}': {ratio:.3f}x the cache-off arm's.")
         ok = ratio <= 0.5 and r["tower_runs"] == r["unique_items"] and not r["failed"] and r["tokens_equal_monolithic"] == r["requests"]
         (met if ok else missed).append(f"'{arm}'")
     notes.append(

@@ -142,8 +142,9 @@ class RequestRecord:
         return sum(self.stages_s.values())
 
 
-async def _one(stub, request, start_at: float, slots: asyncio.Semaphore | None) -> RequestRecord:
-    await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
+async def _one(stub, request, start_at: float | None, slots: asyncio.Semaphore | None) -> RequestRecord:
+    if start_at is not None:
+        await asyncio.sleep(max(0.0, start_at - time.perf_counter()))
     if slots is None:
         return await _send(stub, request)
     async with slots:  # like `vllm bench serve --max-concurrency`: arrivals wait for a slot
@@ -183,7 +184,10 @@ async def run_load(address: str, requests: Sequence[gateway_pb2.GenerateRequest]
         offsets = poisson_arrivals(len(requests), rate, seed)
         begin = time.perf_counter() + 0.05
         slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
-        records = await asyncio.gather(*(_one(stub, r, begin + o, slots) for r, o in zip(requests, offsets, strict=True)))
+        # All at once means in order: timers due at one instant fire in no set order, so such
+        # arrivals would take the concurrency slots shuffled (a workload's order is part of it).
+        starts = [None if rate == float("inf") else begin + o for o in offsets]
+        records = await asyncio.gather(*(_one(stub, r, start, slots) for r, start in zip(requests, starts, strict=True)))
     duration = max(r.e2el_s + o for r, o in zip(records, offsets, strict=True) if r.ok) if any(r.ok for r in records) else float("nan")
     ok = [r for r in records if r.ok]
     output_tokens = sum(len(r.token_ids) for r in ok)
