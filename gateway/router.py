@@ -5,7 +5,10 @@ yet heard from. Work that a cache on the instance can reuse (an item's encoder o
 prompt prefix's KV) is picked by key instead (:meth:`StagePool.pick_for_key`): consistent
 hashing with bounded load, so a key keeps going to the same instance, a hot key spills to the
 next instance on the ring rather than to a random one, and an instance that joins or leaves
-moves only its own share of the keys.
+moves only its own share of the keys. Where a repeat costs its holder next to nothing (an
+encoder answers an item its arena holds from the cache desk, without its engine), the caller
+records who served a key (:meth:`StagePool.record_holder`) and the key goes back there past
+the load bound: another instance would run the tower again.
 
 Health: every instance's standard health service is watched (``Watch`` on the stage's
 readiness name), so an instance that drains, loses its engine or dies leaves the rotation at
@@ -30,6 +33,7 @@ import logging
 import math
 import random
 import socket
+from collections import OrderedDict
 from collections.abc import Callable
 
 import grpc
@@ -58,6 +62,7 @@ _CHECK_TIMEOUT_S = 2.0
 # call), so no instance gets more than ~25% above its share however hot a key is.
 _LOAD_BOUND = 1.25
 _POINTS_PER_INSTANCE = 64  # virtual nodes: keys spread evenly even over two or three instances
+_HOLDERS_KEPT = 65536  # keys whose last server a pool remembers (a few MB)
 
 
 def _ring_hash(text: str) -> int:
@@ -161,6 +166,7 @@ class StagePool:
         self._resolve_now: asyncio.Event | None = None
         self._turn = itertools.count()
         self._ring: HashRing | None = None
+        self._holders: OrderedDict[str, str] = OrderedDict()  # key -> the instance that last served it
         self._tasks: set[asyncio.Task] = set()
         for host, port in self._names:
             try:
@@ -204,11 +210,15 @@ class StagePool:
         return min(ordered, key=lambda a: (self._health[a] is not Health.SERVING, self._in_flight[a]))
 
     def pick_for_key(self, key: str, avoid: frozenset[str] = frozenset()) -> str:
-        """The first live instance from the key's point on the ring whose load is within the
-        bound; ones known to serve before ones not yet heard from, and instances in ``avoid``
-        only when no other is live."""
+        """The live instance recorded as the key's holder, whatever its load; else the first
+        live instance from the key's point on the ring whose load is within the bound; ones known
+        to serve before ones not yet heard from, and instances in ``avoid`` only when no other is
+        live."""
         if self._ring is None:
             return self.pick(avoid)
+        holder = self._holders.get(key)
+        if holder is not None and holder not in avoid and self._health.get(holder, Health.DOWN) is not Health.DOWN and holder not in self._leaving:
+            return holder
         live = [a for a in self._ring.walk(key) if self._health[a] is not Health.DOWN]
         if not live:
             raise Unavailable(f"no live {self.stage} instance (all {len(self.addresses)} are down or unreachable)")
@@ -216,6 +226,14 @@ class StagePool:
         candidates = [a for a in candidates if self._health[a] is Health.SERVING] or candidates
         bound = math.ceil(_LOAD_BOUND * (sum(self._in_flight[a] for a in candidates) + 1) / len(candidates))
         return next(a for a in candidates if self._in_flight[a] < bound)
+
+    def record_holder(self, key: str, address: str) -> None:
+        """Records that ``address`` served ``key``, so that :meth:`pick_for_key` sends the key
+        back there: only for work a holder repeats at next to no cost."""
+        self._holders[key] = address
+        self._holders.move_to_end(key)
+        if len(self._holders) > _HOLDERS_KEPT:
+            self._holders.popitem(last=False)
 
     def stub(self, address: str):
         """The stub of an instance still in the pool.

@@ -81,8 +81,8 @@ class EncoderClient:
     ) -> list[EncodedItem]:
         """Encodes the items over the encoder instances (one call per chosen instance, in
         parallel), in order; every lease granted is recorded in ``leases``, even on failure.
-        Each item goes where its content hash points (that encoder's cache may hold its output
-        already). Instances in ``avoid`` (they failed this request before) are picked only as a
+        Each item goes to the encoder that last served it, else where its content hash points
+        (that encoder's cache may hold its output already). Instances in ``avoid`` (they failed this request before) are picked only as a
         last resort."""
         groups: dict[str, list[int]] = defaultdict(list)
         for index, item in enumerate(media):
@@ -99,6 +99,8 @@ class EncoderClient:
             for i, item in zip(indices, wire.encoded_items_from_wire(response.items), strict=True):
                 results[i] = item
                 leases.add(address, item)
+                # Its arena holds the output now, and answers a repeat without its engine.
+                self.pool.record_holder(media[i].content_hash, address)
 
         # Let every call finish before raising, so that each lease granted is recorded.
         outcomes = await asyncio.gather(*(call(address, indices) for address, indices in groups.items()), return_exceptions=True)

@@ -109,6 +109,28 @@ async def test_a_hot_key_spills_to_the_next_instance_on_the_ring():
         await pool.close()
 
 
+async def test_a_key_goes_back_to_the_instance_that_served_it_past_the_load_bound():
+    """An encoder answers an item its arena holds without its engine (the cache desk), so a
+    busy holder costs the key nothing, where another instance would run the tower again."""
+    pool = _pool(["a:1", "b:2", "c:3"])
+    try:
+        key = _KEYS[0]
+        ring_order = pool._ring.walk(key)
+        with pool.busy(ring_order[0]), pool.busy(ring_order[0]):
+            spilled = pool.pick_for_key(key)
+        assert spilled == ring_order[1]
+        pool.record_holder(key, spilled)
+        assert pool.pick_for_key(key) == spilled  # not back to the (now idle) ring owner
+        with pool.busy(spilled), pool.busy(spilled), pool.busy(spilled):
+            assert pool.pick_for_key(key) == spilled  # far past the bound of 2
+        # A holder that failed this request, is down, or has left is passed over.
+        assert pool.pick_for_key(key, frozenset({spilled})) == ring_order[0]
+        pool._set_health(spilled, Health.DOWN)
+        assert pool.pick_for_key(key) == ring_order[0]
+    finally:
+        await pool.close()
+
+
 async def test_without_affinity_keys_are_ignored():
     pool = StagePool("encoder", ["a:1", "b:2"], encoder_pb2_grpc.EncoderServiceStub, affinity=False)
     try:
