@@ -196,6 +196,8 @@ class Engine:
             }
 
     def shutdown(self) -> None:
+        if "desk" in self.__dict__:
+            self.desk.close()
         if self._llm is not None:
             self._llm.shutdown()
             self._llm = None
@@ -298,7 +300,7 @@ class Engine:
                     if reason is None:
                         # vLLM's "error": the engine failed this request alone, e.g. an embedding
                         # or KV load that did not complete. Retryable, never a silent empty reply.
-                        raise Unavailable(f"engine failed request {request_id} (finish reason {completion.finish_reason!r})")
+                        raise Unavailable(f"engine failed request {request_id}: {await self._why_failed(request_id, completion.finish_reason)}")
                 kv_handoff = kv_handoff_from_engine(output.kv_transfer_params) if finished else None
                 if kv_handoff is not None:
                     kv_handoff = dataclasses.replace(kv_handoff, expires_at_unix_ms=self._kv_lease_end_ms(output))
@@ -320,6 +322,19 @@ class Engine:
         finally:
             if not finished:
                 await self._llm.abort(request_id)
+
+    async def _why_failed(self, request_id: str, finish_reason: Any) -> str:
+        """What the EC connector knows of a request vLLM failed; vLLM itself says only "error"."""
+        known = await asyncio.to_thread(self.desk.why_failed, request_id) if self.config.role.ec_role == "ec_consumer" else None
+        return known or f"vLLM gave finish reason {str(finish_reason)!r} and no cause; this engine's log has it"
+
+    @functools.cached_property
+    def desk(self):
+        """The EC connector's desk in the engine core (:mod:`epd.transport.connector_desk`):
+        the encoder-output cache's leases, and why requests failed."""
+        from epd.transport.connector_desk import ConnectorDeskClient
+
+        return ConnectorDeskClient(f"{self.engine_id}-desk")
 
     def _kv_lease_end_ms(self, output) -> int:
         """When this prefill frees a finished request's KV unless a decode extends the lease.

@@ -267,7 +267,13 @@ def media_item_from_wire(item: multimodal_pb2.MediaItem, field: str, violations:
     if parsed is None:
         return None
     modality, source, sampling = parsed
-    return MediaInput(modality, source, item.content_hash or content_hash(source, sampling), sampling)
+    # Recomputed, never trusted: it keys the encoder-output cache, so a peer naming another
+    # item's hash would read that item's embedding, or have its own bytes served under it.
+    computed = content_hash(source, sampling)
+    if item.content_hash and item.content_hash != computed:
+        violations.append(FieldViolation(f"{field}.content_hash", "does not match the item: it must be the SHA-256 of its bytes and options (epd.domain.content_hash)"))
+        return None
+    return MediaInput(modality, source, computed, sampling)
 
 
 def media_items_from_wire(items) -> list[MediaInput]:

@@ -10,9 +10,10 @@ import grpc
 import pytest
 
 from epd.client import chat_request, generate
+from epd.domain import MediaFile, content_hash
 from epd.engine import Engine, EngineConfig, EngineRole
 from epd.testing import synthetic_image_png, synthetic_video
-from epd.v1 import common_pb2, decode_pb2, decode_pb2_grpc, engine_pb2, gateway_pb2, multimodal_pb2
+from epd.v1 import common_pb2, decode_pb2, decode_pb2_grpc, encoder_pb2, encoder_pb2_grpc, engine_pb2, gateway_pb2, multimodal_pb2
 from tests.helpers import encode_then_prefill, prefill_directly, violations, wait_for_metric
 
 PNG = synthetic_image_png(120, 90, seed=5)
@@ -209,6 +210,34 @@ async def test_metadata_that_the_model_lays_out_differently_fails_only_that_requ
     assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
     assert "items[0].metadata" in violations(error)
     assert "embedding rows" in error.details()
+
+
+async def test_an_item_under_another_items_content_hash_is_refused_and_never_cached(family_stack):
+    """The encoder recomputes every item's hash: a peer calling it directly can neither cache
+    its bytes under a hash that a later request for other content would hit, nor read the output
+    of content it does not hold by naming its hash."""
+    victim = synthetic_image_png(120, 90, seed=71)
+    request = chat_request([(victim, "image/png"), "Describe."], max_tokens=16)
+    oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=120)
+    forged = multimodal_pb2.MediaItem(content_hash=content_hash(MediaFile(victim, "image/png")), image=multimodal_pb2.Media(data=PNG, mime_type="image/png"))
+    async with grpc.aio.insecure_channel(family_stack.encoder.address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await encoder_pb2_grpc.EncoderServiceStub(channel).Encode(encoder_pb2.EncodeRequest(request_id="forged-hash", items=[forged]), timeout=60)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+    assert violations(refused.value) == ["items[0].content_hash"]
+    assert (await generate(family_stack.gateway_stub("epd"), request, timeout=120)).token_ids == oracle.token_ids
+
+
+async def test_an_engine_that_fails_a_request_says_why(family_stack):
+    """vLLM ends a request its EC consumer cannot serve with finish reason "error" alone; the
+    status names the cause the consumer found (here, an encoder address that refuses)."""
+
+    def elsewhere(items):
+        items[0].embedding.nixl.encoder_address = "127.0.0.1:1"
+
+    error = await encode_then_prefill(family_stack, [(synthetic_image_png(96, 96, seed=72), "image/png"), "Hi"], elsewhere)
+    assert error is not None and error.code() == grpc.StatusCode.UNAVAILABLE, error
+    assert "its encoder outputs could not be had" in error.details() and "127.0.0.1:1" in error.details(), error.details()
 
 
 async def test_service_keeps_serving_and_leaks_no_slot_after_bad_input(family_stack):

@@ -27,7 +27,7 @@ from epd.domain import InlineEmbedding, NixlLocation
 from epd.errors import InvalidArgument
 from epd.ports import free_port
 from epd.transport.arena import EmbeddingArena, SharedCounters
-from epd.transport.cache_desk import CacheDesk, CacheDeskClient
+from epd.transport.connector_desk import ConnectorDesk, ConnectorDeskClient, LeaseHeld, WhyFailed
 from epd.transport.ec_config import ConnectorConfig
 from epd.transport.ec_consumer import ConsumerScheduler
 from epd.transport.ec_params import ExpectedItem, expected_to_params
@@ -749,12 +749,12 @@ def test_a_fill_that_was_not_written_is_never_shared_again(caching_arena):
     assert fresh.generation != pending.generation
 
 
-# --- The cache desk's channel --------------------------------------------------------------
+# --- The connector desk's channel ----------------------------------------------------------
 
 
-def test_the_cache_desk_answers_lookups_and_its_client_survives_a_restart():
+def test_the_connector_desk_answers_its_questions_and_its_client_survives_a_restart():
     name = f"test-desk-{uuid.uuid4().hex[:8]}"
-    client = CacheDeskClient(name, timeout_s=2.0)
+    client = ConnectorDeskClient(name, timeout_s=2.0)
     try:
         assert client.lease(["a"]) is None  # no desk yet: the engine path serves the request
         asked: list[list[str]] = []
@@ -763,15 +763,21 @@ def test_the_cache_desk_answers_lookups_and_its_client_survives_a_restart():
             asked.append(keys)
             return {key: {"rows": len(key), "tag": key.encode()} for key in keys} if all(k.startswith("held") for k in keys) else None
 
-        desk = CacheDesk(name, grant)
+        answers = {LeaseHeld: lambda lease: grant(lease.keys)}
+        desk = ConnectorDesk(name, answers)
         assert desk.path.stat().st_mode & 0o777 == 0o600
         assert client.lease(["held-1", "held-22"]) == {"held-1": {"rows": 6, "tag": b"held-1"}, "held-22": {"rows": 7, "tag": b"held-22"}}
         assert client.lease(["held-1", "new"]) is None
+        assert client.why_failed("r1") is None  # a question this desk does not answer: nil, and the channel stays up
         desk.close()
         assert not desk.path.exists()
         assert client.lease(["held-1"]) is None  # the engine restarted: its old desk is gone
-        desk = CacheDesk(name, grant)
+        failures = {"r1": "the producer is unreachable"}
+        answers = {LeaseHeld: lambda lease: grant(lease.keys), WhyFailed: lambda question: failures.pop(question.request_id, None)}
+        desk = ConnectorDesk(name, answers)
         assert client.lease(["held-1"]) == {"held-1": {"rows": 6, "tag": b"held-1"}}
+        assert client.why_failed("r1") == "the producer is unreachable"
+        assert client.why_failed("r1") is None
         desk.close()
         assert asked == [["held-1", "held-22"], ["held-1", "new"], ["held-1"]]
     finally:

@@ -25,7 +25,7 @@ KV cache); a background thread ends leases as consumers' READ notifications arri
 TTLs pass.
 
 With the cache on, a request whose every item is held published is served without the engine:
-the encoder service asks the cache desk (:mod:`epd.transport.cache_desk`), which leases the fills
+the encoder service asks the cache desk (:mod:`epd.transport.connector_desk`), which leases the fills
 from its own thread and answers with what vLLM published of each item when its tower ran.
 """
 
@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from epd.mm_items import engine_field_from_vllm
 from epd.transport.arena import MODALITIES, EmbeddingArena, Lease
 from epd.transport.base import Publisher
-from epd.transport.cache_desk import CacheDesk
+from epd.transport.connector_desk import ConnectorDesk, LeaseHeld
 from epd.transport.ec_config import ConnectorConfig
 from epd.transport.ec_params import PublishedItem, published_to_params
 from epd.transport.shared_buffer import SharedBuffer
@@ -119,7 +119,7 @@ class ProducerScheduler:
         self._publish_item_sizes()
         self._counting = threading.Lock()  # the cache desk's thread counts hits too
         self._published_items: dict[str, PublishedItem] = {}  # key -> what vLLM published of it, without a location
-        self._desk = CacheDesk(config.buffer_name("desk"), self._grant_held) if config.cache_bytes > 0 else None
+        self._desk = ConnectorDesk(config.buffer_name("desk"), {LeaseHeld: lambda question: self._grant_held(question.keys)}) if config.cache_bytes > 0 else None
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="epd-ec-reaper", daemon=True)
         self._reaper.start()

@@ -5,7 +5,7 @@ metadata and embedding locations.
 vLLM owns everything model-specific here: its processor lays each item out and its tower encodes
 it; its scheduler batches items across concurrent requests; the EC connector publishes each
 output in the arena (``epd.transport.ec_connector``). A request whose every item the arena holds
-is served by the connector's cache desk instead (``epd.transport.cache_desk``), with what vLLM
+is served by the connector's cache desk instead (``epd.transport.connector_desk``), with what vLLM
 published of each item when its tower ran: no decode, no processor, no engine step.
 """
 
@@ -25,7 +25,6 @@ from epd.media import MediaLimits, check_modalities, source_field
 from epd.media.decode import MediaDecoder, vllm_input
 from epd.mm_items import metadata_from_published
 from epd.prompt import PromptRenderer
-from epd.transport.cache_desk import CacheDeskClient
 from epd.transport.ec_params import PublishedItem, published_from_params
 from epd.transport.slot_header import HEADER_BYTES
 
@@ -56,7 +55,7 @@ class EncoderRunner:
         self.renderer = PromptRenderer(engine.config.model)
         self._releaser = None
         self._credentials = None  # the engine's NIXL transfer credentials, read on first use
-        self._desk = CacheDeskClient(f"{engine.engine_id}-desk") if engine.encoder_output_cache_bytes > 0 else None
+        self._desk = engine.desk if engine.encoder_output_cache_bytes > 0 else None
         self._cleanups: set[asyncio.Task] = set()  # releases of leases whose request was cancelled
 
     async def encode(self, request_id: str, items: list[MediaInput]) -> list[EncodedItem]:
@@ -115,8 +114,6 @@ class EncoderRunner:
     def close(self) -> None:
         if self._releaser is not None:
             self._releaser.close()
-        if self._desk is not None:
-            self._desk.close()
 
     # ---- internals ----------------------------------------------------------------------
 

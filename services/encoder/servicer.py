@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from epd import wire
 from epd.errors import Unavailable
 from epd.rpc import rpc_method
@@ -30,7 +32,9 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             Metadata and an embedding handle per item, in request order.
         """
         runner = self._ready_runner()
-        items = wire.media_items_from_wire(request.items)
+        # Off the event loop: each item's content hash is recomputed over its bytes (milliseconds
+        # for a large one; hashlib releases the GIL).
+        items = await asyncio.to_thread(wire.media_items_from_wire, request.items)
         encoded = await runner.encode(request.request_id or "anonymous", items)
         return encoder_pb2.EncodeResponse(items=[wire.encoded_item_to_wire(e) for e in encoded])
 

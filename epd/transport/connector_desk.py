@@ -1,18 +1,19 @@
-"""The encoder-output cache's fast path: leases on outputs the arena already holds, granted
-without an engine step.
+"""The EC connector's desk: questions the service asks of the connector inside the engine core,
+answered from a thread of its own beside vLLM's scheduler, over a Unix socket that only this user
+may open, named like the engine's shared buffers. Two questions:
 
-A repeated item needs neither its media decoded, nor vLLM's processor, nor the tower: only a
-lease on the arena fill that holds its output, and what vLLM published of the item when its tower
-ran. Asking the engine for that would still cost a step, and an encoder engine's step is a tower
-run (hundreds of ms for one large image on a CPU), so a hit would wait behind other requests'
-misses. The producer (beside vLLM's scheduler, where the arena lives) therefore answers such
-lookups from a thread of its own, over a Unix socket that only this user may open, named like the
-engine's shared buffers. The encoder service asks it first and runs the engine only for requests
-with an item it does not hold.
+- ``LeaseHeld`` (an encoder's producer; the encoder-output cache's fast path). A repeated item needs
+  neither its media decoded, nor vLLM's processor, nor the tower: only a lease on the arena fill
+  that holds its output, and what vLLM published of the item when its tower ran. Asking the
+  engine for that would still cost a step, and an encoder engine's step is a tower run (hundreds
+  of ms for one large image on a CPU), so a hit would wait behind other requests' misses. The
+  answer is the items' ``ec_transfer_params`` as a finished engine request returns them, or nil:
+  all or nothing, a request the desk cannot serve whole gets no lease from it.
+- ``WhyFailed`` (a prefill's or combined engine's consumer). vLLM ends a request it failed with
+  finish reason "error" and nothing more; the consumer knows why (an encoder it could not reach,
+  a lease that ran out), and says so, for the status the client gets.
 
-Frames are msgpack: a list of content hashes in; out, the items' ``ec_transfer_params`` as a
-finished engine request returns them, or nil. All or nothing: a request the desk cannot serve
-whole gets no lease from it.
+Frames are msgpack, the question tagged by its type.
 """
 
 from __future__ import annotations
@@ -33,11 +34,24 @@ from epd.transport.shared_buffer import find, owned_path
 logger = logging.getLogger(__name__)
 
 
-class CacheDesk:
-    """The engine side: ``grant(keys)`` runs on the desk's threads, never on vLLM's scheduler's."""
+class LeaseHeld(msgspec.Struct, tag=True):
+    keys: list[str]  # content hashes
 
-    def __init__(self, name: str, grant: Callable[[list[str]], dict[str, Any] | None]) -> None:
-        self._grant = grant
+
+class WhyFailed(msgspec.Struct, tag=True):
+    request_id: str
+
+
+Question = LeaseHeld | WhyFailed
+
+
+class ConnectorDesk:
+    """The engine side: each answer runs on the desk's threads, never on vLLM's scheduler's.
+    ``answers`` holds one callable per question type the connector answers; any other is
+    answered with nil."""
+
+    def __init__(self, name: str, answers: dict[type, Callable[[Any], Any]]) -> None:
+        self._answers = answers
         self.path = owned_path(name)
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
@@ -87,25 +101,30 @@ class CacheDesk:
     def _answer(self, conn: Connection) -> None:
         while True:
             try:
-                keys = msgspec.msgpack.decode(conn.recv_bytes(), type=list[str])
+                question = _QUESTIONS.decode(conn.recv_bytes())
             except (EOFError, OSError):
                 return
             except msgspec.DecodeError:
-                logger.warning("EPD cache desk: a malformed lookup; closing its connection")
+                logger.warning("EPD connector desk: a malformed question; closing its connection")
                 return
+            answer = self._answers.get(type(question))
             try:
-                granted = self._grant(keys)
+                answered = answer(question) if answer is not None else None
             except Exception:
-                logger.exception("EPD cache desk: granting leases failed")
-                granted = None
+                logger.exception("EPD connector desk: answering %s failed", type(question).__name__)
+                answered = None
             try:
-                conn.send_bytes(msgspec.msgpack.encode(granted))
+                conn.send_bytes(msgspec.msgpack.encode(answered))
             except OSError:
                 return
 
 
-class CacheDeskClient:
-    """The encoder service's side: one connection, one lookup at a time (each takes microseconds)."""
+_QUESTIONS = msgspec.msgpack.Decoder(Question)
+
+
+class ConnectorDeskClient:
+    """The service's side: one connection, one question at a time (each takes microseconds).
+    Its calls block: make them off the event loop."""
 
     def __init__(self, name: str, timeout_s: float = 1.0) -> None:
         self._name = name
@@ -115,19 +134,25 @@ class CacheDeskClient:
 
     def lease(self, keys: list[str]) -> dict[str, Any] | None:
         """Leases on every key's held output with what was published of it, or None when the desk
-        holds not all of them or cannot be reached (the engine then serves the request). Blocks:
-        call it off the event loop."""
+        holds not all of them or cannot be reached (the engine then serves the request)."""
+        # Leases granted after a timeout expire by their TTL: nobody will read them.
+        return self._ask(LeaseHeld(keys), "the encoder engine serves the request")
+
+    def why_failed(self, request_id: str) -> str | None:
+        """Why the connector could not serve a request vLLM failed, if it knows."""
+        return self._ask(WhyFailed(request_id), "the reason stays in the engine's log")
+
+    def _ask(self, question: Question, otherwise: str) -> Any:
         with self._lock:
             try:
                 if self._conn is None:
                     self._conn = Client(str(find(self._name)), family="AF_UNIX")
-                self._conn.send_bytes(msgspec.msgpack.encode(keys))
+                self._conn.send_bytes(msgspec.msgpack.encode(question))
                 if not self._conn.poll(self._timeout_s):
-                    # Leases it grants after this expire by their TTL: nobody will read them.
                     raise TimeoutError(f"no answer within {self._timeout_s} s")
                 return msgspec.msgpack.decode(self._conn.recv_bytes())
             except (OSError, EOFError, TimeoutError, msgspec.DecodeError) as exc:
-                logger.warning("EPD cache desk unavailable (%s); the encoder engine serves the request", exc)
+                logger.warning("EPD connector desk unavailable (%s); %s", exc, otherwise)
                 self._close()
                 return None
 
