@@ -166,7 +166,8 @@ class StagePool:
         self._resolve_now: asyncio.Event | None = None
         self._turn = itertools.count()
         self._ring: HashRing | None = None
-        self._holders: OrderedDict[str, str] = OrderedDict()  # key -> the instance that last served it
+        # key -> (the instance that last served it, the key's ring owner then)
+        self._holders: OrderedDict[str, tuple[str, str]] = OrderedDict()
         self._tasks: set[asyncio.Task] = set()
         for host, port in self._names:
             try:
@@ -210,16 +211,23 @@ class StagePool:
         return min(ordered, key=lambda a: (self._health[a] is not Health.SERVING, self._in_flight[a]))
 
     def pick_for_key(self, key: str, avoid: frozenset[str] = frozenset()) -> str:
-        """The live instance recorded as the key's holder, whatever its load; else the first
-        live instance from the key's point on the ring whose load is within the bound; ones known
-        to serve before ones not yet heard from, and instances in ``avoid`` only when no other is
-        live."""
+        """The live instance recorded as the key's holder, whatever its load, while the key's
+        ring owner is the one it had then; else the first live instance from the key's point on
+        the ring whose load is within the bound; ones known to serve before ones not yet heard
+        from, and instances in ``avoid`` only when no other is live.
+
+        The owner check is what lets a joining instance take its share of keys: a key whose point
+        on the ring it now owns leaves its old holder (one tower run on the newcomer), while a key
+        that spilled past a busy owner stays with the instance whose cache holds it.
+        """
         if self._ring is None:
             return self.pick(avoid)
-        holder = self._holders.get(key)
-        if holder is not None and holder not in avoid and self._health.get(holder, Health.DOWN) is not Health.DOWN and holder not in self._leaving:
+        walk = self._ring.walk(key)
+        holder, owner = self._holders.get(key, (None, None))
+        usable = holder is not None and holder not in avoid and self._health.get(holder, Health.DOWN) is not Health.DOWN and holder not in self._leaving
+        if usable and owner == walk[0]:
             return holder
-        live = [a for a in self._ring.walk(key) if self._health[a] is not Health.DOWN]
+        live = [a for a in walk if self._health[a] is not Health.DOWN]
         if not live:
             raise Unavailable(f"no live {self.stage} instance (all {len(self.addresses)} are down or unreachable)")
         candidates = [a for a in live if a not in avoid] or live
@@ -230,7 +238,9 @@ class StagePool:
     def record_holder(self, key: str, address: str) -> None:
         """Records that ``address`` served ``key``, so that :meth:`pick_for_key` sends the key
         back there: only for work a holder repeats at next to no cost."""
-        self._holders[key] = address
+        if self._ring is None:
+            return  # no affinity: keys are not routed
+        self._holders[key] = (address, self._ring.walk(key)[0])
         self._holders.move_to_end(key)
         if len(self._holders) > _HOLDERS_KEPT:
             self._holders.popitem(last=False)

@@ -131,6 +131,26 @@ async def test_a_key_goes_back_to_the_instance_that_served_it_past_the_load_boun
         await pool.close()
 
 
+async def test_a_joining_instance_takes_the_held_keys_whose_ring_point_it_now_owns():
+    """Holders keep the keys that spilled to them, not the keys a newcomer owns on the ring:
+    joining instances take their share of keys, and only that share."""
+    pool = _pool(["a:1", "b:2"])
+    try:
+        for address in pool.addresses:
+            pool._set_health(address, Health.SERVING)
+        for key in _KEYS:
+            pool.record_holder(key, pool.pick_for_key(key))
+        before = {key: pool.pick_for_key(key) for key in _KEYS}
+        pool._set_members(["a:1", "b:2", "c:3"])
+        pool._set_health("c:3", Health.SERVING)
+        after = {key: pool.pick_for_key(key) for key in _KEYS}
+        moved = {key for key in _KEYS if after[key] != before[key]}
+        assert moved and all(after[key] == "c:3" for key in moved)
+        assert moved == {key for key in _KEYS if pool._ring.walk(key)[0] == "c:3"}
+    finally:
+        await pool.close()
+
+
 async def test_without_affinity_keys_are_ignored():
     pool = StagePool("encoder", ["a:1", "b:2"], encoder_pb2_grpc.EncoderServiceStub, affinity=False)
     try:
