@@ -61,7 +61,7 @@ class EngineConfig:
     dtype: str = "float32"
     max_model_len: int = 4096
     max_num_seqs: int = 16
-    kv_cache_gib: int = 1  # CPU only: VLLM_CPU_KVCACHE_SPACE
+    kv_cache_gib: float = 1.0  # CPU only: vLLM's kv_cache_memory_bytes, in GiB
     max_images_per_prompt: int = 8
     max_videos_per_prompt: int = 2  # vLLM profiles memory for the most items of the largest size
     max_audios_per_prompt: int = 4
@@ -181,7 +181,7 @@ class Engine:
             enable_mm_embeds=config.role is not EngineRole.ENCODER,
             # vLLM's own Prometheus metrics (vllm:kv_cache_usage_perc, ...) join ours.
             disable_log_stats=False,
-            **_executor_kwargs(),
+            **_cpu_kwargs(config),
             **kwargs,
         )
         self._llm = AsyncLLM.from_engine_args(args)
@@ -447,19 +447,21 @@ def kv_handoff_from_engine(params: dict[str, Any] | None) -> KvHandoff | None:
     )
 
 
-def _executor_kwargs() -> dict[str, Any]:
-    """On CPU, run the worker inside the engine-core process.
+def _cpu_kwargs(config: EngineConfig) -> dict[str, Any]:
+    """On CPU: the worker inside the engine-core process, and a KV cache of the configured size.
 
     vLLM's CPU platform otherwise spawns one more process per engine, which re-imports vLLM:
     about 13 s of start-up on a loaded 2-core host, for nothing, since we bind no OMP threads
     (``VLLM_CPU_OMP_THREADS_BIND=nobind``). Greedy tokens are the same either way.
+    The size is an engine argument rather than vLLM's ``VLLM_CPU_KVCACHE_SPACE``, which takes
+    whole GiB only (an operator's setting of it still wins).
     """
     from vllm.platforms import current_platform
 
     if not current_platform.is_cpu():
         return {}
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read in the engine core, which we still spawn
-    return {"distributed_executor_backend": "uni"}
+    return {"distributed_executor_backend": "uni", "kv_cache_memory_bytes": int(config.kv_cache_gib * 2**30)}
 
 
 def _configure_vllm_environment(config: EngineConfig) -> None:
@@ -468,7 +470,6 @@ def _configure_vllm_environment(config: EngineConfig) -> None:
     CPU threads are left unbound: several engines share a small host in tests and demos, and
     vLLM's automatic binding would pin them all to the same cores.
     """
-    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(config.kv_cache_gib))
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
     if config.role is not EngineRole.ENCODER:
         # vLLM's CPU matmul builds a oneDNN primitive (about 0.3 MiB here) for every new row count

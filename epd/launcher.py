@@ -51,6 +51,7 @@ class ServiceProcess:
         self.metrics_port: int | None = None
         self.http_port: int | None = None  # a gateway's OpenAI-compatible front, when it has one
         self.announced: dict = {}  # the whole EPD_LISTENING line (the shared cache's metadata_port)
+        self.listening = threading.Event()  # its ports are known (it binds them before loading)
         self.ready = threading.Event()
         self.process = subprocess.Popen(
             [*(wrapper or []), sys.executable, "-m", "epd.cli", *args],
@@ -65,6 +66,8 @@ class ServiceProcess:
 
     @property
     def address(self) -> str:
+        if self.port is None:
+            raise RuntimeError(f"{self.name} has not announced its port yet (wait_listening)")
         return f"{self.host}:{self.port}"
 
     def _read_stdout(self) -> None:
@@ -73,19 +76,26 @@ class ServiceProcess:
                 info = json.loads(line.split(" ", 1)[1])
                 self.port, self.metrics_port, self.http_port = info["port"], info["metrics_port"], info.get("http_port")
                 self.announced = info
+                self.listening.set()
             elif line.startswith("EPD_READY "):
                 self.ready.set()
             else:
                 self._log.write(line)
                 self._log.flush()
 
+    def wait_listening(self, timeout: float) -> None:
+        self._wait(self.listening, "listening", timeout)
+
     def wait_ready(self, timeout: float) -> None:
+        self._wait(self.ready, "ready", timeout)
+
+    def _wait(self, event: threading.Event, what: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
-        while not self.ready.wait(0.2):
+        while not event.wait(0.2):
             if self.process.poll() is not None:
                 raise RuntimeError(f"{self.name} exited with {self.process.returncode}; log {self.log_path}:\n{self.log_tail()}")
             if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name} not ready after {timeout:.0f}s; log {self.log_path}:\n{self.log_tail()}")
+                raise TimeoutError(f"{self.name} not {what} after {timeout:.0f}s; log {self.log_path}:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 40) -> str:
         self._log.flush()
@@ -164,6 +174,10 @@ class Stack:
             service.stop()
             if service in self.services:  # not when the whole stack was stopped inside the block
                 self.services.remove(service)
+
+    def wait_listening(self, services: list[ServiceProcess], timeout: float = 120) -> None:
+        for service in services:
+            service.wait_listening(timeout)
 
     def wait_ready(self, services: list[ServiceProcess], timeout: float = 300) -> None:
         for service in services:

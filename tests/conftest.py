@@ -13,11 +13,14 @@ import dataclasses
 import os
 import pathlib
 import sys
+import time
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epd.checkpoints import ensure_tiny_checkpoint
-from epd.launcher import ServiceProcess, Stack, gateway_args, start_monolithic
+from epd.launcher import ServiceProcess, Stack, gateway_args
 from epd.v1 import gateway_pb2_grpc
 from tests.helpers import close_channels, gateway_stub
 from tests.otlp import OtlpReceiver
@@ -67,27 +70,50 @@ def _start_family(key: str, log_dir: pathlib.Path, otlp_endpoint: str) -> Family
 # Low enough that a test clip can exceed it cheaply; every decoding service gets the same.
 MAX_VIDEO_FRAMES = 120
 MEDIA_LIMITS = ["--max-video-frames", str(MAX_VIDEO_FRAMES)]
+# 128 Ki tokens of the tiny models' KV, far more than the tests hold at once (16 requests of at
+# most 4096). Zeroing the default 1 GiB, four engines at a time, took 16-25 s of each stack's
+# start on a loaded 2-core host; this takes about one.
+KV_CACHE = ["--kv-cache-gib", "0.125"]
 
 
 def _start_services(family: str, model: str, stack: Stack, otlp_endpoint: str, dtype: list[str]) -> FamilyStack:
     observability = ["--metrics-port", "0", "--otlp-endpoint", otlp_endpoint]
+    engine = [*dtype, *KV_CACHE, *observability]
     encoder = stack.start("encoder", ["encoder", "--model", model, *dtype, *MEDIA_LIMITS, *observability])
-    prefill = stack.start("prefill", ["prefill", "--model", model, *dtype, *observability])
-    decode = stack.start("decode", ["decode", "--model", model, *dtype, "--mode", "decode", *observability])
+    prefill = stack.start("prefill", ["prefill", "--model", model, *engine])
+    decode = stack.start("decode", ["decode", "--model", model, "--mode", "decode", *engine])
     # The combined instance also accepts inline embeddings (test_data_path covers both transports).
-    combined = stack.start("combined", ["decode", "--model", model, *dtype, "--mode", "combined", "--allow-inline-embeddings", *observability])
-    monolithic = start_monolithic(stack, model, extra=[*dtype, *MEDIA_LIMITS, *observability])
-    stack.wait_ready([encoder, prefill, decode, combined], timeout=600)
-    gateways = {"monolithic": monolithic}
-    gateways["epd"] = stack.start(
-        "gateway-epd",
-        gateway_args(model, "epd", encoders=[encoder.address], prefills=[prefill.address], decodes=[decode.address], extra=[*MEDIA_LIMITS, *observability]),
-    )
-    gateways["epd-combined"] = stack.start(
-        "gateway-combined", gateway_args(model, "epd-combined", encoders=[encoder.address], decodes=[combined.address], extra=MEDIA_LIMITS)
-    )
-    stack.wait_ready(list(gateways.values()), timeout=600)
+    combined = stack.start("combined", ["decode", "--model", model, "--mode", "combined", "--allow-inline-embeddings", *engine])
+    # Gateways start beside the engines, once those have bound their ports: a gateway serves
+    # when the stages it watches do.
+    stack.wait_listening([encoder, prefill, decode, combined])
+    gateways = {
+        "monolithic": stack.start("gateway-monolithic", gateway_args(model, "monolithic", extra=[*engine, *MEDIA_LIMITS])),
+        "epd": stack.start(
+            "gateway-epd",
+            gateway_args(model, "epd", encoders=[encoder.address], prefills=[prefill.address], decodes=[decode.address], extra=[*MEDIA_LIMITS, *observability]),
+        ),
+        "epd-combined": stack.start(
+            "gateway-combined", gateway_args(model, "epd-combined", encoders=[encoder.address], decodes=[combined.address], extra=MEDIA_LIMITS)
+        ),
+    }
+    stack.wait_ready([encoder, prefill, decode, combined, *gateways.values()], timeout=600)
+    for gateway in gateways.values():
+        _wait_until_serving(gateway)
     return FamilyStack(family, model, stack, encoder, prefill, decode, combined, gateways)
+
+
+def _wait_until_serving(gateway: ServiceProcess, timeout_s: float = 60.0) -> None:
+    """A gateway is ready once loaded, and serves once its health watch has seen every stage
+    serve: moments later, but a test's first request must not race it."""
+    deadline = time.monotonic() + timeout_s
+    request = health_pb2.HealthCheckRequest(service="epd.v1.GatewayService")
+    with grpc.insecure_channel(gateway.address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while (status := stub.Check(request, timeout=5).status) != health_pb2.HealthCheckResponse.SERVING:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{gateway.name} not serving after {timeout_s:.0f} s ({health_pb2.HealthCheckResponse.ServingStatus.Name(status)})")
+            time.sleep(0.1)
 
 
 class StackManager:

@@ -654,18 +654,7 @@ def test_multimodal_transformers_loads_processes_and_generates(multimodal_checkp
 @pytest.mark.parametrize("family", FAMILIES)
 def test_vllm_matches_transformers_greedy(checkpoints: dict[str, pathlib.Path], family: str, tmp_path: pathlib.Path) -> None:
     directory = checkpoints[family]
-    result_file = tmp_path / "vllm.json"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
-    run = subprocess.run(
-        [sys.executable, __file__, str(directory), str(result_file)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-    vllm_result = json.loads(result_file.read_text())
-
+    vllm_result = _vllm_result(directory, tmp_path)
     hf_prompts, hf_outputs = hf_greedy(directory, [synthetic_image(seed) for seed in (0, 1)])
     # Same prompt after placeholder expansion, then the same greedy tokens (float32).
     assert vllm_result["prompt_token_ids"] == hf_prompts
@@ -674,18 +663,7 @@ def test_vllm_matches_transformers_greedy(checkpoints: dict[str, pathlib.Path], 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 def test_vllm_matches_transformers_greedy_audio(audio_checkpoint: pathlib.Path, tmp_path: pathlib.Path) -> None:
-    result_file = tmp_path / "vllm.json"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1")
-    run = subprocess.run(
-        [sys.executable, __file__, str(audio_checkpoint), str(result_file)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-    vllm_result = json.loads(result_file.read_text())
-
+    vllm_result = _vllm_result(audio_checkpoint, tmp_path)
     hf_prompts, hf_outputs = hf_greedy_audio(audio_checkpoint, [synthetic_clip(seed) for seed in (0, 1)])
     assert vllm_result["prompt_token_ids"] == hf_prompts
     assert vllm_result["token_ids"] == hf_outputs
@@ -695,19 +673,24 @@ def test_vllm_matches_transformers_greedy_audio(audio_checkpoint: pathlib.Path, 
 @pytest.mark.parametrize("family", MULTIMODAL_FAMILIES)
 def test_multimodal_vllm_matches_transformers_greedy(multimodal_checkpoints: dict[str, pathlib.Path], family: str, tmp_path: pathlib.Path) -> None:
     directory = multimodal_checkpoints[family]
-    result_file = tmp_path / "vllm.json"
-    # In-process engine: starts much faster than a spawned one on a loaded 2-core box.
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind")
-    run = subprocess.run([sys.executable, __file__, str(directory), str(result_file)], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-    vllm_result = json.loads(result_file.read_text())
-
+    vllm_result = _vllm_result(directory, tmp_path)
     hf_result = hf_greedy_multimodal(directory)
     assert sorted(vllm_result) == sorted(hf_result)
     for request, expected in hf_result.items():
         # Same prompt after placeholder expansion, then the same greedy tokens (float32).
         assert vllm_result[request]["prompt_token_ids"] == expected["prompt_token_ids"], request
         assert vllm_result[request]["token_ids"] == expected["token_ids"], request
+
+
+def _vllm_result(directory: pathlib.Path, tmp_path: pathlib.Path) -> dict[str, Any]:
+    """What this module's ``__main__`` worker returns for the checkpoint: vLLM in a process of
+    its own (a fresh interpreter for each engine), its engine core in that process (starts much
+    faster than a spawned one on a loaded 2-core box)."""
+    result_file = tmp_path / "vllm.json"
+    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    run = subprocess.run([sys.executable, __file__, str(directory), str(result_file)], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    return json.loads(result_file.read_text())
 
 
 def vllm_greedy(directory: str) -> dict[str, Any]:
