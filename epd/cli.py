@@ -48,7 +48,7 @@ _RECEIVE_FIELDS = ("embedding_buffer_bytes", "embedding_read_timeout_s")
 _SERVER_FIELDS = {"port": "port", "metrics_port": "metrics_port", "otlp_endpoint": "otlp_endpoint", "grace_s": "drain_grace_s"}
 _HELP = {
     "caches": "vLLM's prefix and multimodal processor caches, and the encoder-output cache (--no-caches for benchmarks)",
-    "kv_cache_gib": "CPU only: KV cache size",
+    "kv_cache_gib": "CPU only: the KV cache, in GiB (fractions allowed)",
     "nixl_side_channel_port": "vLLM NixlConnector side channel; 0 picks one",
     "kv_lease_s": "prefill: seconds computed KV waits for a decode to pull it before vLLM frees it (queued decodes extend it; "
     "keep it well above 3: a decode refuses a handoff with under 3 s left)",
