@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench.common import RESULTS_DIR, command_line, progress, summarize, write_result
+from bench.workload import salt_media
 
 NAME = "encoder_throughput"
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -232,13 +233,6 @@ _COUNTERS = (
 )
 
 
-def _with_jpeg_comment(jpeg: bytes, comment: str) -> bytes:
-    """The same image with a comment segment (COM) after its start-of-image marker: decoders
-    skip it, hashes do not."""
-    text = comment.encode()
-    return jpeg[:2] + b"\xff\xfe" + (len(text) + 2).to_bytes(2, "big") + text + jpeg[2:]
-
-
 async def _saturate(address: str, images: Sequence[bytes], *, salt: str) -> tuple[float, list[tuple[int, int]]]:
     """Sends every image as its own Encode call at once; returns the seconds from the first send
     to the last response, and each item's embedding shape. Leases are given back per call."""
@@ -254,7 +248,7 @@ async def _saturate(address: str, images: Sequence[bytes], *, salt: str) -> tupl
         async def one(index: int, data: bytes) -> tuple[int, int]:
             # Bytes of their own per pass, so that the content hash (the key of vLLM's encoder
             # cache and of EPD's, recomputed by the encoder) is new while the pixels are not.
-            item = multimodal_pb2.MediaItem(image=multimodal_pb2.Media(data=_with_jpeg_comment(data, salt), mime_type="image/jpeg"))
+            item = multimodal_pb2.MediaItem(image=multimodal_pb2.Media(data=salt_media(data, "image/jpeg", salt), mime_type="image/jpeg"))
             response = await stub.Encode(encoder_pb2.EncodeRequest(request_id=f"bench-{salt}-{index}", items=[item]), timeout=_CALL_TIMEOUT_S)
             done.append(time.perf_counter())
             (encoded,) = response.items
