@@ -89,6 +89,23 @@ class ServiceProcess:
     def wait_ready(self, timeout: float) -> None:
         self._wait(self.ready, "ready", timeout)
 
+    def wait_serving(self, timeout: float = 60.0) -> None:
+        """Waits for a ready gateway's readiness to be SERVING: it follows its stages, which its
+        health watch sees serve moments after they do, and a first request must not race that."""
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        from epd.v1 import gateway_pb2
+
+        deadline = time.monotonic() + timeout
+        request = health_pb2.HealthCheckRequest(service=gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name)
+        with grpc.insecure_channel(self.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while (status := stub.Check(request, timeout=5).status) != health_pb2.HealthCheckResponse.SERVING:
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{self.name} not serving after {timeout:.0f} s ({health_pb2.HealthCheckResponse.ServingStatus.Name(status)})")
+                time.sleep(0.1)
+
     def _wait(self, event: threading.Event, what: str, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while not event.wait(0.2):
@@ -222,12 +239,15 @@ def start_disaggregated(
     pre = [stack.start(f"prefill{i}", ["prefill", *model_flag]) for i in range(prefills if mode == "epd" else 0)]
     dec_mode = "decode" if mode == "epd" else "combined"
     dec = [stack.start(f"decode{i}", ["decode", *model_flag, "--mode", dec_mode]) for i in range(decodes)]
-    stack.wait_ready(stage + pre + dec)
+    # The gateway starts beside the engines, once they have bound their ports (it serves when
+    # the stages it watches do).
+    stack.wait_listening(stage + pre + dec)
     args = gateway_args(
         model, mode, encoders=[s.address for s in stage], prefills=[s.address for s in pre], decodes=[s.address for s in dec], extra=gateway_extra
     )
     gateway = stack.start(f"gateway-{mode}", args)
-    stack.wait_ready([gateway])
+    stack.wait_ready([*stage, *pre, *dec, gateway])
+    gateway.wait_serving()
     return gateway
 
 

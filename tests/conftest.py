@@ -13,11 +13,8 @@ import dataclasses
 import os
 import pathlib
 import sys
-import time
 
-import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epd.checkpoints import ensure_tiny_checkpoint
 from epd.launcher import ServiceProcess, Stack, gateway_args
@@ -99,21 +96,8 @@ def _start_services(family: str, model: str, stack: Stack, otlp_endpoint: str, d
     }
     stack.wait_ready([encoder, prefill, decode, combined, *gateways.values()], timeout=600)
     for gateway in gateways.values():
-        _wait_until_serving(gateway)
+        gateway.wait_serving()
     return FamilyStack(family, model, stack, encoder, prefill, decode, combined, gateways)
-
-
-def _wait_until_serving(gateway: ServiceProcess, timeout_s: float = 60.0) -> None:
-    """A gateway is ready once loaded, and serves once its health watch has seen every stage
-    serve: moments later, but a test's first request must not race it."""
-    deadline = time.monotonic() + timeout_s
-    request = health_pb2.HealthCheckRequest(service="epd.v1.GatewayService")
-    with grpc.insecure_channel(gateway.address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while (status := stub.Check(request, timeout=5).status) != health_pb2.HealthCheckResponse.SERVING:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{gateway.name} not serving after {timeout_s:.0f} s ({health_pb2.HealthCheckResponse.ServingStatus.Name(status)})")
-            time.sleep(0.1)
 
 
 class StackManager:
