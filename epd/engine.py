@@ -150,6 +150,8 @@ class Engine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        from epd.transport.kv_connector import DESK_KEY
+
         config = self.config
         kwargs: dict[str, Any] = {}
         if config.role.kv_role is not None:
@@ -158,7 +160,10 @@ class Engine:
                 "kv_connector_module_path": "epd.transport.kv_connector",  # vLLM's connector, its NIXL thread sleeping when idle
                 "kv_role": config.role.kv_role,
                 "kv_buffer_device": "cpu",
-                "kv_connector_extra_config": {"kv_lease_duration": config.kv_lease_s if config.role is EngineRole.PREFILL else _DECODE_HEARTBEAT_EVERY_STEP},
+                "kv_connector_extra_config": {
+                    "kv_lease_duration": config.kv_lease_s if config.role is EngineRole.PREFILL else _DECODE_HEARTBEAT_EVERY_STEP,
+                    DESK_KEY: self.desk_name,
+                },
             }
         if config.role.ec_role is not None:
             kwargs["ec_transfer_config"] = self._ec_transfer_config()
@@ -324,17 +329,25 @@ class Engine:
                 await self._llm.abort(request_id)
 
     async def _why_failed(self, request_id: str, finish_reason: Any) -> str:
-        """What the EC connector knows of a request vLLM failed; vLLM itself says only "error"."""
-        known = await asyncio.to_thread(self.desk.why_failed, request_id) if self.config.role.ec_role == "ec_consumer" else None
+        """What the connectors know of a request vLLM failed; vLLM itself says only "error"."""
+        role = self.config.role
+        noted = role.kv_role is not None or role.ec_role == "ec_consumer"  # the connectors that note failures
+        known = await asyncio.to_thread(self.desk.why_failed, request_id) if noted else None
         return known or f"vLLM gave finish reason {str(finish_reason)!r} and no cause; this engine's log has it"
+
+    @property
+    def desk_name(self) -> str:
+        """The desk every connector of this engine core opens (the EC connector's
+        ``ConnectorConfig.buffer_name("desk")``)."""
+        return f"{self.engine_id}-desk"
 
     @functools.cached_property
     def desk(self):
-        """The EC connector's desk in the engine core (:mod:`epd.transport.connector_desk`):
-        the encoder-output cache's leases, and why requests failed."""
+        """The engine core's desk (:mod:`epd.transport.connector_desk`): the encoder-output
+        cache's leases, and why requests failed."""
         from epd.transport.connector_desk import ConnectorDeskClient
 
-        return ConnectorDeskClient(f"{self.engine_id}-desk")
+        return ConnectorDeskClient(self.desk_name)
 
     def _kv_lease_end_ms(self, output) -> int:
         """When this prefill frees a finished request's KV unless a decode extends the lease.

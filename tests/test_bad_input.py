@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 import types
+import uuid
 
 import grpc
 import pytest
@@ -238,6 +239,19 @@ async def test_an_engine_that_fails_a_request_says_why(family_stack):
     error = await encode_then_prefill(family_stack, [(synthetic_image_png(96, 96, seed=72), "image/png"), "Hi"], elsewhere)
     assert error is not None and error.code() == grpc.StatusCode.UNAVAILABLE, error
     assert "its encoder outputs could not be had" in error.details() and "127.0.0.1:1" in error.details(), error.details()
+
+
+async def test_a_decode_that_cannot_load_the_kv_says_why(family_stack):
+    """vLLM ends a request whose KV its NixlConnector cannot load with finish reason "error"
+    alone; the status names the cause the connector logged (here, a prefill whose side channel
+    refuses: vLLM's handshake gives up after 5 s)."""
+    handoff = {"remote_port": 1, "remote_request_id": f"unreachable-{uuid.uuid4().hex[:8]}", "expires_at_unix_ms": int(time.time() * 1000) + 60_000}
+    async with grpc.aio.insecure_channel(family_stack.decode.address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in decode_pb2_grpc.DecodeServiceStub(channel).Decode(_forged_decode(**handoff), timeout=60):
+                pass
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
+    assert "its prefilled KV could not be had from the prefill engine forged at 127.0.0.1:1: handshake failed" in info.value.details(), info.value.details()
 
 
 async def test_service_keeps_serving_and_leaks_no_slot_after_bad_input(family_stack):

@@ -27,7 +27,7 @@ from epd.domain import InlineEmbedding, NixlLocation
 from epd.errors import InvalidArgument
 from epd.ports import free_port
 from epd.transport.arena import EmbeddingArena, SharedCounters
-from epd.transport.connector_desk import ConnectorDesk, ConnectorDeskClient, LeaseHeld, WhyFailed
+from epd.transport.connector_desk import ConnectorDeskClient, LeaseHeld, open_desk
 from epd.transport.ec_config import ConnectorConfig
 from epd.transport.ec_consumer import ConsumerScheduler
 from epd.transport.ec_params import ExpectedItem, expected_to_params
@@ -763,22 +763,31 @@ def test_the_connector_desk_answers_its_questions_and_its_client_survives_a_rest
             asked.append(keys)
             return {key: {"rows": len(key), "tag": key.encode()} for key in keys} if all(k.startswith("held") for k in keys) else None
 
-        answers = {LeaseHeld: lambda lease: grant(lease.keys)}
-        desk = ConnectorDesk(name, answers)
+        desk = open_desk(name)
+        desk.answer(LeaseHeld, lambda lease: grant(lease.keys))
         assert desk.path.stat().st_mode & 0o777 == 0o600
         assert client.lease(["held-1", "held-22"]) == {"held-1": {"rows": 6, "tag": b"held-1"}, "held-22": {"rows": 7, "tag": b"held-22"}}
         assert client.lease(["held-1", "new"]) is None
-        assert client.why_failed("r1") is None  # a question this desk does not answer: nil, and the channel stays up
-        desk.close()
+        assert client.why_failed("r1") is None  # nothing noted: nil, and the channel stays up
+        desk.release()
         assert not desk.path.exists()
         assert client.lease(["held-1"]) is None  # the engine restarted: its old desk is gone
-        failures = {"r1": "the producer is unreachable"}
-        answers = {LeaseHeld: lambda lease: grant(lease.keys), WhyFailed: lambda question: failures.pop(question.request_id, None)}
-        desk = ConnectorDesk(name, answers)
+        desk = open_desk(name)
+        desk.answer(LeaseHeld, lambda lease: grant(lease.keys))
+        # A prefill's EC consumer and KV connector share their engine core's desk.
+        kv_side = open_desk(name)
+        assert kv_side is desk
+        # vLLM's id for the service's "r1"; a request's first reason stands.
+        kv_side.failures.record("r1-0123abcd", "the producer is unreachable")
+        kv_side.failures.record("r1-0123abcd", "what followed from it")
+        kv_side.failures.record("r10-0123abcd", "another request's reason")
+        kv_side.release()
+        assert desk.path.exists()  # the EC side still holds it
         assert client.lease(["held-1"]) == {"held-1": {"rows": 6, "tag": b"held-1"}}
         assert client.why_failed("r1") == "the producer is unreachable"
         assert client.why_failed("r1") is None
-        desk.close()
+        desk.release()
+        assert not desk.path.exists()
         assert asked == [["held-1", "held-22"], ["held-1", "new"], ["held-1"]]
     finally:
         client.close()

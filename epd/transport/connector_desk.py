@@ -1,6 +1,7 @@
-"""The EC connector's desk: questions the service asks of the connector inside the engine core,
+"""The engine core's desk: questions the service asks of the connectors inside the engine core,
 answered from a thread of its own beside vLLM's scheduler, over a Unix socket that only this user
-may open, named like the engine's shared buffers. Two questions:
+may open, named like the engine's shared buffers. One desk serves every connector of an engine
+core (a prefill's EC consumer and KV producer share it: :func:`open_desk`). Two questions:
 
 - ``LeaseHeld`` (an encoder's producer; the encoder-output cache's fast path). A repeated item needs
   neither its media decoded, nor vLLM's processor, nor the tower: only a lease on the arena fill
@@ -9,9 +10,10 @@ may open, named like the engine's shared buffers. Two questions:
   of ms for one large image on a CPU), so a hit would wait behind other requests' misses. The
   answer is the items' ``ec_transfer_params`` as a finished engine request returns them, or nil:
   all or nothing, a request the desk cannot serve whole gets no lease from it.
-- ``WhyFailed`` (a prefill's or combined engine's consumer). vLLM ends a request it failed with
-  finish reason "error" and nothing more; the consumer knows why (an encoder it could not reach,
-  a lease that ran out), and says so, for the status the client gets.
+- ``WhyFailed`` (any engine). vLLM ends a request it failed with finish reason "error" and nothing
+  more; the connector that failed it knows why (an EC consumer: an encoder it could not reach, a
+  lease that ran out; the KV connector: a prefill it could not handshake with, a READ that failed)
+  and notes it in the desk's :class:`FailureLedger`, for the status the client gets.
 
 Frames are msgpack, the question tagged by its type.
 """
@@ -23,6 +25,7 @@ import logging
 import os
 import socket
 import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from multiprocessing.connection import Client, Connection
 from typing import Any
@@ -44,14 +47,61 @@ class WhyFailed(msgspec.Struct, tag=True):
 
 Question = LeaseHeld | WhyFailed
 
+# Reasons kept for requests the service has not asked about yet (it asks at once, so this only
+# bounds what requests nobody asks about, such as aborted ones, leave behind).
+_FAILURES_KEPT = 1024
+
+
+class FailureLedger:
+    """Why the engine core failed its latest requests, by vLLM's request id; thread-safe."""
+
+    def __init__(self) -> None:
+        self._reasons: OrderedDict[str, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def record(self, request_id: str, reason: str) -> None:
+        """Notes why vLLM's request ``request_id`` failed; its first reason stands (the cause, not
+        what followed from it)."""
+        with self._lock:
+            self._reasons.setdefault(request_id, reason)
+            while len(self._reasons) > _FAILURES_KEPT:
+                self._reasons.popitem(last=False)
+
+    def take(self, request_id: str) -> str | None:
+        """``request_id`` is the service's; vLLM's engine core knows the request by that id plus
+        "-" and 8 random characters (or by it alone, with the randomization turned off)."""
+        with self._lock:
+            for internal_id in reversed(self._reasons):
+                if internal_id == request_id or (internal_id.startswith(f"{request_id}-") and len(internal_id) == len(request_id) + 9):
+                    return self._reasons.pop(internal_id)
+        return None
+
+
+_open_desks: dict[str, ConnectorDesk] = {}
+_open_desks_lock = threading.Lock()
+
+
+def open_desk(name: str) -> ConnectorDesk:
+    """This process's desk called ``name``, made by its first opener; each opener calls
+    :meth:`ConnectorDesk.release` once, and the last one closes it."""
+    with _open_desks_lock:
+        desk = _open_desks.get(name)
+        if desk is None:
+            desk = _open_desks[name] = ConnectorDesk(name)
+        desk._holders += 1
+        return desk
+
 
 class ConnectorDesk:
     """The engine side: each answer runs on the desk's threads, never on vLLM's scheduler's.
-    ``answers`` holds one callable per question type the connector answers; any other is
-    answered with nil."""
+    ``WhyFailed`` is answered from :attr:`failures`; a connector registers the other answers it
+    gives (:meth:`answer`), and a question nobody answers gets nil."""
 
-    def __init__(self, name: str, answers: dict[type, Callable[[Any], Any]]) -> None:
-        self._answers = answers
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.failures = FailureLedger()
+        self._answers: dict[type, Callable[[Any], Any]] = {WhyFailed: lambda question: self.failures.take(question.request_id)}
+        self._holders = 0
         self.path = owned_path(name)
         with contextlib.suppress(FileNotFoundError):
             self.path.unlink()
@@ -62,7 +112,19 @@ class ConnectorDesk:
         self._peers: set[socket.socket] = set()
         self._closed = False
         self._lock = threading.Lock()
-        threading.Thread(target=self._accept_loop, name="epd-ec-desk", daemon=True).start()
+        threading.Thread(target=self._accept_loop, name="epd-desk", daemon=True).start()
+
+    def answer(self, question: type, how: Callable[[Any], Any]) -> None:
+        self._answers[question] = how
+
+    def release(self) -> None:
+        """One opener is done with the desk; the last one closes it."""
+        with _open_desks_lock:
+            self._holders -= 1
+            if self._holders > 0:
+                return
+            _open_desks.pop(self.name, None)
+        self.close()
 
     def close(self) -> None:
         """Stops answering: the listener and every open connection are shut down."""
@@ -87,7 +149,7 @@ class ConnectorDesk:
                     peer.close()
                     return
                 self._peers.add(peer)
-            threading.Thread(target=self._serve, args=(peer,), name="epd-ec-desk-peer", daemon=True).start()
+            threading.Thread(target=self._serve, args=(peer,), name="epd-desk-peer", daemon=True).start()
 
     def _serve(self, peer: socket.socket) -> None:
         with Connection(os.dup(peer.fileno())) as conn:

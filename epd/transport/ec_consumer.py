@@ -19,16 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
-from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from epd.domain import EmbeddingLocation, InlineEmbedding, NixlLocation
 from epd.transport._slots import PAGE_BYTES, SlotAllocator
 from epd.transport.arena import SharedCounters
 from epd.transport.base import Read, Reader
-from epd.transport.connector_desk import ConnectorDesk, WhyFailed
+from epd.transport.connector_desk import open_desk
 from epd.transport.ec_params import ExpectedItem, expected_from_params
 from epd.transport.shared_buffer import SharedBuffer
 from epd.transport.slot_header import DTYPES, HEADER_BYTES, SlotHeader, header_fields, ready_fields, slot_bytes
@@ -44,8 +42,6 @@ logger = logging.getLogger(__name__)
 # A request that waits this long for pages while vLLM's encoder cache pins others is worth a loud
 # log line: the buffer is probably smaller than what that cache may hold.
 _STALL_REPORT_S = 5.0
-# Why recent requests failed, kept until the service asks (at once, as vLLM reports the failure).
-_FAILURES_KEPT = 1024
 RECEIVE_COUNTERS = ("items", "free_pages", "num_pages", "failed_loads", "nixl_bytes", "inline_bytes")
 
 
@@ -95,9 +91,7 @@ class ConsumerScheduler:
         self._requests: dict[str, _RequestState] = {}
         self._waiting: dict[str, None] = {}  # ids of requests with items still waiting for pages, oldest first
         self._unavailable: set[str] = set()
-        self._failures: OrderedDict[str, str] = OrderedDict()  # request id -> why; read by the desk's thread
-        self._failures_lock = threading.Lock()
-        self._desk = ConnectorDesk(config.buffer_name("desk"), {WhyFailed: lambda question: self._why_failed(question.request_id)})
+        self._desk = open_desk(config.buffer_name("desk"))  # tells the service why a request failed
         self._installs: list[Install] = []
         self._freeing: list[tuple[int, int]] = []  # freed one step late: a worker may still read them
         self._stalled_since: float | None = None
@@ -165,7 +159,7 @@ class ConsumerScheduler:
         return unavailable
 
     def close(self) -> None:
-        self._desk.close()
+        self._desk.release()
         for reader in self._readers.values():
             reader.close()
         self._buffer.close()
@@ -315,19 +309,7 @@ class ConsumerScheduler:
     def _mark_unavailable(self, request_id: str, reason: str) -> None:
         logger.warning("EPD EC consumer: request %s cannot get its encoder outputs: %s", request_id, reason)
         self._unavailable.add(request_id)
-        with self._failures_lock:
-            self._failures[request_id] = f"its encoder outputs could not be had: {reason}"
-            while len(self._failures) > _FAILURES_KEPT:
-                self._failures.popitem(last=False)
-
-    def _why_failed(self, request_id: str) -> str | None:
-        """``request_id`` is the service's; vLLM's engine core knows the request by that id plus
-        "-" and 8 random characters (or by it alone, with the randomization turned off)."""
-        with self._failures_lock:
-            for internal_id in reversed(self._failures):
-                if internal_id == request_id or (internal_id.startswith(f"{request_id}-") and len(internal_id) == len(request_id) + 9):
-                    return self._failures.pop(internal_id)
-        return None
+        self._desk.failures.record(request_id, f"its encoder outputs could not be had: {reason}")
 
     def _maybe_drop(self, mm_hash: str, item: _Item) -> None:
         if item.requests or item.in_encoder_cache or item.state == "loading":

@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any
 from epd.mm_items import engine_field_from_vllm
 from epd.transport.arena import MODALITIES, EmbeddingArena, Lease
 from epd.transport.base import Publisher
-from epd.transport.connector_desk import ConnectorDesk, LeaseHeld
+from epd.transport.connector_desk import LeaseHeld, open_desk
 from epd.transport.ec_config import ConnectorConfig
 from epd.transport.ec_params import PublishedItem, published_to_params
 from epd.transport.shared_buffer import SharedBuffer
@@ -119,7 +119,9 @@ class ProducerScheduler:
         self._publish_item_sizes()
         self._counting = threading.Lock()  # the cache desk's thread counts hits too
         self._published_items: dict[str, PublishedItem] = {}  # key -> what vLLM published of it, without a location
-        self._desk = ConnectorDesk(config.buffer_name("desk"), {LeaseHeld: lambda question: self._grant_held(question.keys)}) if config.cache_bytes > 0 else None
+        self._desk = open_desk(config.buffer_name("desk")) if config.cache_bytes > 0 else None
+        if self._desk is not None:
+            self._desk.answer(LeaseHeld, lambda question: self._grant_held(question.keys))
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="epd-ec-reaper", daemon=True)
         self._reaper.start()
@@ -239,7 +241,7 @@ class ProducerScheduler:
 
     def close(self) -> None:
         if self._desk is not None:
-            self._desk.close()
+            self._desk.release()
         self._stop.set()
         self._reaper.join(timeout=1)
         if self._shared is not None:

@@ -1,25 +1,35 @@
-"""vLLM's NixlConnector for the KV handoff, with a NIXL progress thread that sleeps when idle.
+"""vLLM's NixlConnector for the KV handoff, with two changes that leave its protocol alone.
 
-nixl's Python agent (``nixl_agent``, which vLLM's connector builds) hard-codes its progress
-thread's wakeup delay (``pthrDelay``) to 0, so the thread polls UCX without ever sleeping: an idle
-prefill or decode engine burns one full core (measured here: 99 % of a core each, with no request
-in flight). On a host that runs several engines, as every CPU deployment and test here does, that
-starves the engines that have work. With a delay, the thread sleeps in ``poll()`` on UCX's event
-descriptors, so it still wakes at once for a READ or a notification; the delay is only its
-fallback wakeup, the same one EPD's own embedding agents use.
+- **A NIXL progress thread that sleeps when idle.** nixl's Python agent (``nixl_agent``, which
+  vLLM's connector builds) hard-codes its progress thread's wakeup delay (``pthrDelay``) to 0, so
+  the thread polls UCX without ever sleeping: an idle prefill or decode engine burns one full core
+  (measured here: 99 % of a core each, with no request in flight). On a host that runs several
+  engines, as every CPU deployment and test here does, that starves the engines that have work.
+  With a delay, the thread sleeps in ``poll()`` on UCX's event descriptors, so it still wakes at
+  once for a READ or a notification; the delay is only its fallback wakeup, the same one EPD's
+  own embedding agents use.
+- **Failures that say why.** vLLM ends a request whose KV could not be loaded with finish reason
+  "error" and logs the cause. The worker's failures are also noted on the engine core's desk
+  (:mod:`epd.transport.connector_desk`, named by ``kv_connector_extra_config["epd_desk"]``), so
+  the decode service's status names the cause.
 
 Engines load this module by ``kv_connector_module_path`` (:class:`epd.engine.Engine`), in the
-process that creates the agent; the connector itself is vLLM's, unchanged.
+process that creates the agent.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 from nixl import _bindings as nixlb
-from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector as VllmNixlConnector
 
 from epd.transport._agent import PROGRESS_WAKEUP_US
+from epd.transport.connector_desk import FailureLedger, open_desk
 
-__all__ = ["NixlConnector"]
+__all__ = ["DESK_KEY", "NixlConnector"]
+
+DESK_KEY = "epd_desk"
 
 _agent_class = nixlb.nixlAgent
 
@@ -31,3 +41,41 @@ def _agent_whose_progress_thread_sleeps(name: str, config):
 
 
 nixlb.nixlAgent = _agent_whose_progress_thread_sleeps
+
+
+class NixlConnector(VllmNixlConnector):
+    """vLLM's pull connector; its worker's transfer failures are noted on the engine's desk."""
+
+    def __init__(self, vllm_config, role, kv_cache_config=None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        desk_name = vllm_config.kv_transfer_config.get_from_extra_config(DESK_KEY, None)
+        worker = self.connector_worker
+        self._desk = open_desk(desk_name) if desk_name and worker is not None else None
+        if self._desk is not None:
+            # Every failure of vLLM's worker goes through this one method (it logs them).
+            worker._log_failure = _noting_failures(worker, self._desk.failures)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self._desk is not None:
+            self._desk.release()
+            self._desk = None
+
+
+def _noting_failures(worker, ledger: FailureLedger):
+    log_failure = worker._log_failure
+
+    def log_and_note(failure_type: str, req_id: str | None, msg: str = "", error: BaseException | None = None, meta: Any = None, **context) -> None:
+        log_failure(failure_type, req_id, msg, error, meta, **context)
+        if req_id is not None:
+            # vLLM's logger finds the request's transfer the same way when it is not given.
+            ledger.record(req_id, _describe(failure_type, msg, error, meta or worker._recving_metadata.get(req_id)))
+
+    return log_and_note
+
+
+def _describe(failure_type: str, msg: str, error: BaseException | None, meta: Any) -> str:
+    remote = getattr(meta, "remote", None)
+    source = f" from the prefill engine {remote.engine_id} at {remote.host}:{remote.port}" if remote is not None else ""
+    details = "; ".join(part for part in (msg, f"{type(error).__name__}: {error}" if error is not None else "") if part)
+    return f"its prefilled KV could not be had{source}: {failure_type.replace('_', ' ')}" + (f" ({details})" if details else "")
