@@ -5,6 +5,7 @@ only processes it started, by PID."""
 from __future__ import annotations
 
 import os
+import pathlib
 import signal
 import subprocess
 import sys
@@ -18,10 +19,12 @@ _STARTUP_S = 300
 _GONE_S = 60
 
 
-def _wait_for_engine_process(service_pid: int) -> None:
+def _wait_for_engine_process(service_pid: int, log: pathlib.Path) -> None:
     """Until the service has spawned its vLLM engine process (so there is a grandchild to orphan)."""
     deadline = time.monotonic() + _STARTUP_S
-    while not psutil.Process(service_pid).children(recursive=True):
+    service = psutil.Process(service_pid)
+    while not service.children(recursive=True):
+        assert service.status() != psutil.STATUS_ZOMBIE, f"the service exited before it spawned its engine; its log:\n{log.read_text()[-3000:]}"
         assert time.monotonic() < deadline, "the service spawned no engine process"
         time.sleep(0.5)
 
@@ -61,7 +64,7 @@ def test_services_stop_when_their_launcher_is_killed(tmp_path):
     try:
         service_pid = int(launcher.stdout.readline())
         assert os.getpgid(service_pid) == service_pid  # its own process group
-        _wait_for_engine_process(service_pid)
+        _wait_for_engine_process(service_pid, tmp_path / "prefill.log")
         launcher.kill()
         launcher.wait()
         _assert_groups_end({service_pid})
