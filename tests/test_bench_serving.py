@@ -1,5 +1,5 @@
 """A seconds-long smoke run of the serving benchmark on the shared stacks (images on Qwen2.5-VL,
-and the Omni thinker's audio workload): every arm answers with monolithic's tokens, the end state
+and the Omni thinker's audio workload on the suite's Qwen2.5-Omni stack, in bf16): every arm answers with monolithic's tokens, the end state
 (read with the EC connector's metrics) is back to zero, the result has the schema BENCHMARKS.md
 is built from, and the report renders it."""
 
@@ -14,6 +14,7 @@ from bench.report import write_report
 from bench.serving import ARMS, EXPERIMENTS, LOADS, ServingConfig, build_payload, counters, end_state, measure, peak_rss_mib
 from bench.workload import STAGES, WorkloadSpec, build_requests
 from epd.launcher import gateway_args
+from tests.conftest import BF16, stack_key
 
 SUMMARY_KEYS = {
     "request_throughput",
@@ -29,9 +30,10 @@ SUMMARY_KEYS = {
 }
 
 
+# By stack key; the benchmark's experiment is named by the key's family.
 SMOKE_WORKLOADS = {
     "qwen2_5_vl": ("serving", WorkloadSpec("image", num_requests=2, items_per_request=(1, 1), image_edge_px=(448, 560), max_tokens=4)),
-    "qwen2_5_omni": ("serving_omni", WorkloadSpec("audio", num_requests=2, items_per_request=(1, 1), clip_seconds=(1.0, 1.5), max_tokens=4)),
+    stack_key("qwen2_5_omni", BF16): ("serving_omni", WorkloadSpec("audio", num_requests=2, items_per_request=(1, 1), clip_seconds=(1.0, 1.5), max_tokens=4)),
 }
 
 
@@ -41,8 +43,9 @@ async def test_serving_smoke_run_has_the_report_schema(family_stack, family, tmp
 
     s = family_stack
     name, workload = SMOKE_WORKLOADS[family]
-    assert EXPERIMENTS[name].family == family and EXPERIMENTS[name].workload.modality == workload.modality
-    config = ServingConfig(model=s.model, rate=50.0, repeats=1, workload=workload, caches="on", family=family)
+    model_family = family.partition("@")[0]
+    assert EXPERIMENTS[name].family == model_family and EXPERIMENTS[name].workload.modality == workload.modality
+    config = ServingConfig(model=s.model, rate=50.0, repeats=1, workload=workload, caches="on", family=model_family)
     forward = gateway_args(s.model, "epd", encoders=[s.encoder.address], prefills=[s.prefill.address], decodes=[s.decode.address], extra=["--forward-media"])
     services = {"encoder": s.encoder, "prefill": s.prefill, "decode": s.decode, "combined": s.combined, "gateway-monolithic": s.gateways["monolithic"]}
     before = await asyncio.to_thread(counters, services, workload.modality)  # the stack is shared with other tests
@@ -78,7 +81,7 @@ async def test_serving_smoke_run_has_the_report_schema(family_stack, family, tmp
     assert end["encoder"]["items_encoded"] > 0 and end["encoder"]["mean_items_per_step"] >= 1
 
     report = write_report(tmp_path, out=tmp_path / "BENCHMARKS.md").read_text()
-    heading = f"## Serving ({workload.modality}, {family})"
+    heading = f"## Serving ({workload.modality}, {model_family})"
     assert heading in report and "Command: `pytest smoke`" in report and "| epd-forward-media | saturation |" in report
     assert "End state (all back to zero)" in report
 

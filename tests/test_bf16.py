@@ -1,6 +1,7 @@
 """bfloat16, the dtype of every GPU deployment: disaggregated greedy tokens equal monolithic bf16
 ones, for an image, a video, an audio clip and an Omni prompt mixing audio and an image, on the
-Qwen2.5-Omni thinker (one bf16 stack serves all four: CI time is tight).
+Qwen2.5-Omni thinker (one bf16 stack serves all four: CI time is tight). It is the suite's only
+Qwen2.5-Omni stack, so these are also that model's equivalence tests.
 
 They can only, because the encoder runs vLLM's own tower. The last test keeps the reason in
 view: Hugging Face's tower, given the same image and weights in bf16, rounds differently.
