@@ -50,7 +50,11 @@ class NixlConnector(VllmNixlConnector):
         super().__init__(vllm_config, role, kv_cache_config)
         desk_name = vllm_config.kv_transfer_config.get_from_extra_config(DESK_KEY, None)
         worker = self.connector_worker
-        self._desk = open_desk(desk_name) if desk_name and worker is not None else None
+        # The desk lives in the engine-core process, beside the scheduler's connectors; so does the
+        # worker only when it is the engine's one worker (vLLM's in-process executor). With more,
+        # their failures stay in the log: a desk per worker process would shadow the engine's.
+        beside_the_scheduler = vllm_config.parallel_config.world_size == 1
+        self._desk = open_desk(desk_name) if desk_name and worker is not None and beside_the_scheduler else None
         if self._desk is not None:
             # Every failure of vLLM's worker goes through this one method (it logs them).
             worker._log_failure = _noting_failures(worker, self._desk.failures)
