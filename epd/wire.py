@@ -471,6 +471,10 @@ def kv_handoff_from_wire(msg: engine_pb2.KvHandoff) -> KvHandoff:
         violations.append(FieldViolation("kv_handoff.remote_port", "must be a TCP port (1-65535)"))
     if not msg.remote_request_id:
         violations.append(FieldViolation("kv_handoff.remote_request_id", "is required"))
+    if msg.tp_size < 1:
+        # vLLM maps this engine's ranks onto the prefill's by it: 0 divided by zero in its
+        # handshake, failing the request as if the prefill were unreachable.
+        violations.append(FieldViolation("kv_handoff.tp_size", "must be at least 1"))
     if not any(group.block_ids for group in msg.remote_block_groups):
         # As vLLM's NixlConnector counts it: a handoff with no block at all has no KV to pull
         # (a group of its own may be empty, say a window that moved past every block).

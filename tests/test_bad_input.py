@@ -108,7 +108,12 @@ async def test_user_text_cannot_inject_chat_control_tokens(family_stack):
 
 def _forged_decode(**changes) -> decode_pb2.DecodeRequest:
     handoff = engine_pb2.KvHandoff(
-        remote_engine_id="forged", remote_block_groups=[engine_pb2.KvBlockGroup(block_ids=[0])], remote_host="127.0.0.1", remote_port=5600, remote_request_id="r"
+        remote_engine_id="forged",
+        remote_block_groups=[engine_pb2.KvBlockGroup(block_ids=[0])],
+        remote_host="127.0.0.1",
+        remote_port=5600,
+        remote_request_id="r",
+        tp_size=1,
     )
     for name, value in changes.items():
         if name == "remote_block_groups":
@@ -125,12 +130,17 @@ def _forged_decode(**changes) -> decode_pb2.DecodeRequest:
 
 @pytest.mark.parametrize(
     ("changes", "field"),
-    [({"remote_block_groups": []}, "kv_handoff.remote_block_groups"), ({"remote_host": "no-such-prefill.invalid"}, "kv_handoff.remote_host")],
+    [
+        ({"remote_block_groups": []}, "kv_handoff.remote_block_groups"),
+        ({"remote_host": "no-such-prefill.invalid"}, "kv_handoff.remote_host"),
+        ({"tp_size": 0}, "kv_handoff.tp_size"),
+    ],
 )
 async def test_a_forged_kv_handoff_sent_straight_to_decode_is_invalid_argument(family_stack, changes, field):
-    """Once, a cleared block list made the decode engine core exit; an unresolvable host came
-    back as UNAVAILABLE (retryable). Both are refused before the engine sees them, and the
-    decode service stays ready (the tests after this one use it)."""
+    """Once, a cleared block list made the decode engine core exit; an unresolvable host, and a
+    tensor-parallel size of 0 (a division by zero in vLLM's handshake), came back as UNAVAILABLE
+    (retryable). All are refused before the engine sees them, and the decode service stays ready
+    (the tests after this one use it)."""
     async with grpc.aio.insecure_channel(family_stack.decode.address) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as info:
             async for _ in decode_pb2_grpc.DecodeServiceStub(channel).Decode(_forged_decode(**changes), timeout=30):
@@ -251,7 +261,9 @@ async def test_a_decode_that_cannot_load_the_kv_says_why(family_stack):
             async for _ in decode_pb2_grpc.DecodeServiceStub(channel).Decode(_forged_decode(**handoff), timeout=60):
                 pass
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
-    assert "its prefilled KV could not be had from the prefill engine forged at 127.0.0.1:1: handshake failed" in info.value.details(), info.value.details()
+    details = info.value.details()
+    assert "its prefilled KV could not be had from the prefill engine forged at 127.0.0.1:1: handshake failed" in details, details
+    assert "(Again: " in details, details  # ZMQ's receive timeout: the refusal itself, not another fault
 
 
 async def test_service_keeps_serving_and_leaks_no_slot_after_bad_input(family_stack):

@@ -150,7 +150,7 @@ def test_absurd_frame_rates_are_refused(frames_fps, sampling_fps, field):
 
 def _handoff(**changes):
     handoff = engine_pb2.KvHandoff(
-        remote_engine_id="e", remote_block_groups=[engine_pb2.KvBlockGroup(block_ids=[1, 2])], remote_host="127.0.0.1", remote_port=5600, remote_request_id="r"
+        remote_engine_id="e", remote_block_groups=[engine_pb2.KvBlockGroup(block_ids=[1, 2])], remote_host="127.0.0.1", remote_port=5600, remote_request_id="r", tp_size=1
     )
     for name, value in changes.items():
         if name == "remote_block_groups":
@@ -175,6 +175,7 @@ def test_a_well_formed_kv_handoff_is_taken():
     ({"remote_host": ""}, "kv_handoff.remote_host"),
     ({"remote_engine_id": ""}, "kv_handoff.remote_engine_id"),
     ({"remote_request_id": ""}, "kv_handoff.remote_request_id"),
+    ({"tp_size": 0}, "kv_handoff.tp_size"),
 ])
 def test_a_forged_kv_handoff_is_refused_at_the_edge(changes, field):
     """vLLM's connector trusts these values: an empty block list made a decode engine core exit."""
