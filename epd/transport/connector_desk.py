@@ -124,10 +124,11 @@ class ConnectorDesk:
             if self._holders > 0:
                 return
             _open_desks.pop(self.name, None)
-        self.close()
+        self._close()
 
-    def close(self) -> None:
-        """Stops answering: the listener and every open connection are shut down."""
+    def _close(self) -> None:
+        """Stops answering: the listener and every open connection are shut down. Only the last
+        :meth:`release` calls it, so that no opener is left holding a closed desk."""
         with self._lock:
             self._closed = True
             sockets, self._peers = [self._socket, *self._peers], set()
