@@ -19,7 +19,7 @@ import pytest
 from epd.checkpoints import ensure_tiny_checkpoint
 from epd.launcher import ServiceProcess, Stack, gateway_args
 from epd.v1 import gateway_pb2_grpc
-from tests.helpers import close_channels, gateway_stub
+from tests.helpers import SMALL_KV_CACHE, close_channels, gateway_stub
 from tests.otlp import OtlpReceiver
 
 DEFAULT_FAMILY = "qwen2_5_vl"
@@ -67,15 +67,11 @@ def _start_family(key: str, log_dir: pathlib.Path, otlp_endpoint: str) -> Family
 # Low enough that a test clip can exceed it cheaply; every decoding service gets the same.
 MAX_VIDEO_FRAMES = 120
 MEDIA_LIMITS = ["--max-video-frames", str(MAX_VIDEO_FRAMES)]
-# 128 Ki tokens of the tiny models' KV, far more than the tests hold at once (16 requests of at
-# most 4096). Zeroing the default 1 GiB, four engines at a time, took 16-25 s of each stack's
-# start on a loaded 2-core host; this takes about one.
-KV_CACHE = ["--kv-cache-gib", "0.125"]
 
 
 def _start_services(family: str, model: str, stack: Stack, otlp_endpoint: str, dtype: list[str]) -> FamilyStack:
     observability = ["--metrics-port", "0", "--otlp-endpoint", otlp_endpoint]
-    engine = [*dtype, *KV_CACHE, *observability]
+    engine = [*dtype, *SMALL_KV_CACHE, *observability]
     encoder = stack.start("encoder", ["encoder", "--model", model, *dtype, *MEDIA_LIMITS, *observability])
     prefill = stack.start("prefill", ["prefill", "--model", model, *engine])
     decode = stack.start("decode", ["decode", "--model", model, "--mode", "decode", *engine])
@@ -153,9 +149,13 @@ def pytest_collection_modifyitems(items):
     """Runs all tests of one family together, so each family's stack starts only once."""
 
     def key(item):
-        family = _family_of(item)
         # fixturenames holds every fixture a test needs, indirect ones too (stacks behind family_stack).
-        return "stacks" in getattr(item, "fixturenames", ()), family != DEFAULT_FAMILY, family
+        if "stacks" not in getattr(item, "fixturenames", ()):
+            # In file order: a "family" parameter here is no stack's, and regrouping by it would
+            # split a module, rebuilding its module-scoped fixtures.
+            return False, False, ""
+        family = _family_of(item)
+        return True, family != DEFAULT_FAMILY, family
 
     items.sort(key=key)
 

@@ -12,6 +12,12 @@ from epd.server import CLIENT_OPTIONS
 from epd.telemetry import scrape
 from epd.v1 import gateway_pb2_grpc
 
+# For every prefill, decode and monolithic engine the tests start: 128 Ki tokens of the tiny
+# models' KV, far more than the tests hold at once (16 requests of at most 4096). Zeroing the
+# default 1 GiB took 16-25 s of each stack's start on a loaded 2-core host, four engines at a
+# time; this takes about one. (Encoder-only engines have no KV cache.)
+SMALL_KV_CACHE = ["--kv-cache-gib", "0.125"]
+
 _channels: dict[str, grpc.aio.Channel] = {}
 
 

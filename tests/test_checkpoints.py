@@ -2,9 +2,10 @@
 
 They check that builds are byte-for-byte reproducible, that the tower (vision, or audio plus
 projector) has shards of its own, and that transformers and vLLM both load the result and
-decode the same greedy tokens. Run directly (``python tests/test_checkpoints.py CHECKPOINT_DIR RESULT_JSON``), this
-file is the vLLM worker of the last test: vLLM's engine spawns processes and holds memory
-until exit, so it runs in a fresh interpreter per checkpoint.
+decode the same greedy tokens. Run directly (``python tests/test_checkpoints.py RESULT_JSON CHECKPOINT_DIR...``), this
+file is the vLLM worker of the vLLM tests: one fresh interpreter, apart from pytest's, runs every
+checkpoint's engine in turn, so vLLM's imports (most of an engine's start on a 2-core box) are
+paid once.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 import pathlib
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -650,11 +652,31 @@ def test_multimodal_transformers_loads_processes_and_generates(multimodal_checkp
 # --- vLLM ------------------------------------------------------------------------------
 
 
+@pytest.fixture(scope="module")
+def vllm_results(checkpoints, audio_checkpoint, multimodal_checkpoints, tmp_path_factory) -> dict[str, Any]:
+    """What this module's ``__main__`` worker returns, per checkpoint directory: vLLM in a
+    process of its own, its engine core in that process (starts much faster than a spawned one
+    on a loaded 2-core box), one checkpoint after another."""
+    directories = [*checkpoints.values(), audio_checkpoint, *multimodal_checkpoints.values()]
+    result_file = tmp_path_factory.mktemp("vllm-results") / "vllm.json"
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    command = [sys.executable, __file__, str(result_file), *map(str, directories)]
+    run = subprocess.run(command, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    return json.loads(result_file.read_text())
+
+
+def _vllm_result(results: dict[str, Any], directory: pathlib.Path) -> dict[str, Any]:
+    result = results[str(directory)]
+    assert "error" not in result, f"vLLM failed on {directory.name}:\n{result.get('error')}"
+    return result
+
+
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 @pytest.mark.parametrize("family", FAMILIES)
-def test_vllm_matches_transformers_greedy(checkpoints: dict[str, pathlib.Path], family: str, tmp_path: pathlib.Path) -> None:
+def test_vllm_matches_transformers_greedy(checkpoints: dict[str, pathlib.Path], family: str, vllm_results: dict[str, Any]) -> None:
     directory = checkpoints[family]
-    vllm_result = _vllm_result(directory, tmp_path)
+    vllm_result = _vllm_result(vllm_results, directory)
     hf_prompts, hf_outputs = hf_greedy(directory, [synthetic_image(seed) for seed in (0, 1)])
     # Same prompt after placeholder expansion, then the same greedy tokens (float32).
     assert vllm_result["prompt_token_ids"] == hf_prompts
@@ -662,8 +684,8 @@ def test_vllm_matches_transformers_greedy(checkpoints: dict[str, pathlib.Path], 
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
-def test_vllm_matches_transformers_greedy_audio(audio_checkpoint: pathlib.Path, tmp_path: pathlib.Path) -> None:
-    vllm_result = _vllm_result(audio_checkpoint, tmp_path)
+def test_vllm_matches_transformers_greedy_audio(audio_checkpoint: pathlib.Path, vllm_results: dict[str, Any]) -> None:
+    vllm_result = _vllm_result(vllm_results, audio_checkpoint)
     hf_prompts, hf_outputs = hf_greedy_audio(audio_checkpoint, [synthetic_clip(seed) for seed in (0, 1)])
     assert vllm_result["prompt_token_ids"] == hf_prompts
     assert vllm_result["token_ids"] == hf_outputs
@@ -671,9 +693,9 @@ def test_vllm_matches_transformers_greedy_audio(audio_checkpoint: pathlib.Path, 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 @pytest.mark.parametrize("family", MULTIMODAL_FAMILIES)
-def test_multimodal_vllm_matches_transformers_greedy(multimodal_checkpoints: dict[str, pathlib.Path], family: str, tmp_path: pathlib.Path) -> None:
+def test_multimodal_vllm_matches_transformers_greedy(multimodal_checkpoints: dict[str, pathlib.Path], family: str, vllm_results: dict[str, Any]) -> None:
     directory = multimodal_checkpoints[family]
-    vllm_result = _vllm_result(directory, tmp_path)
+    vllm_result = _vllm_result(vllm_results, directory)
     hf_result = hf_greedy_multimodal(directory)
     assert sorted(vllm_result) == sorted(hf_result)
     for request, expected in hf_result.items():
@@ -682,15 +704,9 @@ def test_multimodal_vllm_matches_transformers_greedy(multimodal_checkpoints: dic
         assert vllm_result[request]["token_ids"] == expected["token_ids"], request
 
 
-def _vllm_result(directory: pathlib.Path, tmp_path: pathlib.Path) -> dict[str, Any]:
-    """What this module's ``__main__`` worker returns for the checkpoint: vLLM in a process of
-    its own (a fresh interpreter for each engine), its engine core in that process (starts much
-    faster than a spawned one on a loaded 2-core box)."""
-    result_file = tmp_path / "vllm.json"
-    env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1", VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="nobind")
-    run = subprocess.run([sys.executable, __file__, str(directory), str(result_file)], env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-    return json.loads(result_file.read_text())
+# Room for the few short requests each checkpoint runs; vLLM's 1 GiB CPU default took seconds of
+# each engine's start to allocate and zero.
+KV_CACHE_BYTES = 64 * 2**20
 
 
 def vllm_greedy(directory: str) -> dict[str, Any]:
@@ -705,6 +721,7 @@ def vllm_greedy(directory: str) -> dict[str, Any]:
         enforce_eager=True,
         limit_mm_per_prompt={"image": 2},
         dtype="float32",
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
     )
     requests = [{"prompt": text, "multi_modal_data": {"image": synthetic_image(seed)}} for seed in (0, 1)]
     # ignore_eos: compare all NEW_TOKENS even if one side would stop early.
@@ -721,7 +738,14 @@ def vllm_greedy_audio(directory: str) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
 
     text = AutoProcessor.from_pretrained(directory).apply_chat_template(AUDIO_MESSAGES, tokenize=False, add_generation_prompt=True)
-    llm = LLM(model=directory, max_model_len=2048, enforce_eager=True, limit_mm_per_prompt={"audio": 1}, dtype="float32")
+    llm = LLM(
+        model=directory,
+        max_model_len=2048,
+        enforce_eager=True,
+        limit_mm_per_prompt={"audio": 1},
+        dtype="float32",
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
+    )
     requests = [{"prompt": text, "multi_modal_data": {"audio": (synthetic_clip(seed), AUDIO_RATE)}} for seed in (0, 1)]
     outputs = llm.generate(requests, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
     return {
@@ -744,6 +768,7 @@ def vllm_greedy_multimodal(directory: str) -> dict[str, Any]:
         enforce_eager=True,
         limit_mm_per_prompt={modality: 1 for modality in modalities},
         dtype="float32",
+        kv_cache_memory_bytes=KV_CACHE_BYTES,
     )
     names, requests = [], []
     for modality in modalities:
@@ -759,14 +784,34 @@ def vllm_greedy_multimodal(directory: str) -> dict[str, Any]:
     }
 
 
-if __name__ == "__main__":
-    checkpoint_dir, result_path = sys.argv[1:3]
+def vllm_worker(checkpoint_dir: str) -> Callable[[str], dict[str, Any]]:
     model_type = json.loads((pathlib.Path(checkpoint_dir) / "config.json").read_text())["model_type"]
     if model_type in MULTIMODAL_FAMILIES:
-        worker = vllm_greedy_multimodal
-    else:
-        worker = vllm_greedy_audio if model_type in AUDIO_FAMILIES else vllm_greedy
-    pathlib.Path(result_path).write_text(json.dumps(worker(checkpoint_dir)))
+        return vllm_greedy_multimodal
+    return vllm_greedy_audio if model_type in AUDIO_FAMILIES else vllm_greedy
+
+
+def run_vllm_workers(result_path: str, checkpoint_dirs: list[str]) -> None:
+    """Each checkpoint's result, or its error, so that one family's failure fails only its test.
+    Every engine is torn down before the next starts."""
+    import gc
+    import traceback
+
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    results: dict[str, Any] = {}
+    for checkpoint_dir in checkpoint_dirs:
+        try:
+            results[checkpoint_dir] = vllm_worker(checkpoint_dir)(checkpoint_dir)
+        except Exception:
+            results[checkpoint_dir] = {"error": traceback.format_exc()}
+        gc.collect()
+        cleanup_dist_env_and_memory()
+    pathlib.Path(result_path).write_text(json.dumps(results))
+
+
+if __name__ == "__main__":
+    run_vllm_workers(sys.argv[1], sys.argv[2:])
 
 
 def test_cli_offers_every_family_the_builder_knows():

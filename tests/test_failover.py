@@ -25,7 +25,7 @@ from epd.testing import synthetic_image_png
 from epd.v1 import decode_pb2, decode_pb2_grpc
 from gateway.router import HashRing
 from tests.conftest import DEFAULT_FAMILY
-from tests.helpers import encode_then_prefill, gateway_stub, prefill_directly, wait_for_metric
+from tests.helpers import SMALL_KV_CACHE, encode_then_prefill, gateway_stub, prefill_directly, wait_for_metric
 
 _IMAGES = [synthetic_image_png(96 + 16 * i, 96, seed=500 + i) for i in range(4)]
 _REQUESTS = 24
@@ -66,8 +66,8 @@ def spares(stacks):
     stack, model = family.stack, family.model
     started = {
         "encoder": stack.start("encoder-spare", ["encoder", "--model", model, "--metrics-port", "0"]),
-        "prefill": stack.start("prefill-spare", ["prefill", "--model", model]),
-        "decode": stack.start("decode-doomed", ["decode", "--model", model, "--mode", "decode", "--metrics-port", "0"]),
+        "prefill": stack.start("prefill-spare", ["prefill", "--model", model, *SMALL_KV_CACHE]),
+        "decode": stack.start("decode-doomed", ["decode", "--model", model, "--mode", "decode", "--metrics-port", "0", *SMALL_KV_CACHE]),
     }
     try:
         stack.wait_ready(list(started.values()), timeout=600)
@@ -138,7 +138,7 @@ async def test_killing_an_encoder_and_a_prefill_under_load_fails_no_request(fami
         spare_encoder.process.wait(30)
         spare_prefill.process.wait(30)
         reborn = stack.start("encoder-reborn", ["encoder", "--model", model, "--port", str(spare_encoder.port), "--metrics-port", "0"])
-        reborn_prefill = stack.start("prefill-reborn", ["prefill", "--model", model, "--port", str(spare_prefill.port)])
+        reborn_prefill = stack.start("prefill-reborn", ["prefill", "--model", model, "--port", str(spare_prefill.port), *SMALL_KV_CACHE])
         extra += [reborn, reborn_prefill]
         stack.wait_ready([reborn, reborn_prefill], timeout=600)
         assert await _wait_readiness(lonely.address, health_pb2.HealthCheckResponse.SERVING) == health_pb2.HealthCheckResponse.SERVING
@@ -196,7 +196,7 @@ async def test_a_decode_killed_mid_stream_ends_its_stream_and_later_requests_are
         # A new decode process at the dead one's address is taken back and decodes correctly:
         # it handshakes with the prefill afresh (the prefill's KV agent never saw this process).
         doomed.process.wait(30)
-        reborn = stack.start("decode-reborn", ["decode", "--model", model, "--mode", "decode", "--port", str(doomed.port), "--metrics-port", "0"])
+        reborn = stack.start("decode-reborn", ["decode", "--model", model, "--mode", "decode", "--port", str(doomed.port), "--metrics-port", "0", *SMALL_KV_CACHE])
         stack.wait_ready([reborn], timeout=600)
         assert await wait_for_metric(gateway.metrics_port, f"epd_stage_instance_up{{address={doomed.address},stage=decode}}", 1.0, timeout=30) == 1.0
         for i in range(len(_IMAGES)):  # ties rotate between the two decodes: the reborn one gets some

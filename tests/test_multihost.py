@@ -22,7 +22,7 @@ from epd.launcher import Stack, gateway_args
 from epd.telemetry import scrape
 from epd.testing import synthetic_image_png
 from gateway.router import HashRing
-from tests.helpers import gateway_stub
+from tests.helpers import SMALL_KV_CACHE, gateway_stub
 from tests.netns import Hosts, can_create_namespaces
 
 _WHY_NOT = can_create_namespaces()
@@ -83,8 +83,8 @@ async def test_epd_across_hosts_streams_the_monolithic_tokens_while_encoders_com
             hosts.set_names("gateway", {_ENCODERS: [hosts.address["encoder"]]})
             encoder = start("encoder", ["encoder", "--model", model, "--port", str(port["encoder"])])
             encoder2 = start("encoder2", ["encoder", "--model", model, "--port", str(port["encoder2"])])
-            prefill = start("prefill", ["prefill", "--model", model, "--port", str(port["prefill"])])
-            decode = start("decode", ["decode", "--model", model, "--mode", "decode", "--port", str(port["decode"])])
+            prefill = start("prefill", ["prefill", "--model", model, "--port", str(port["prefill"]), *SMALL_KV_CACHE])
+            decode = start("decode", ["decode", "--model", model, "--mode", "decode", "--port", str(port["decode"]), *SMALL_KV_CACHE])
             encoders = f"dns:///{_ENCODERS}:{port['encoder']}"
             gateway = start("gateway", gateway_args(model, "epd", encoders=[encoders], prefills=[at["prefill"]], decodes=[at["decode"]]))
             images = _images_for([at["encoder"], at["encoder2"]])

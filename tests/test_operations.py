@@ -14,7 +14,7 @@ from epd.client import chat_request, generate
 from epd.launcher import gateway_args
 from epd.telemetry import scrape
 from epd.testing import synthetic_image_png
-from tests.helpers import gateway_stub, wait_for_metric
+from tests.helpers import SMALL_KV_CACHE, gateway_stub, wait_for_metric
 
 SERVICES = {
     "encoder": "epd.v1.EncoderService",
@@ -113,7 +113,7 @@ async def test_readiness_follows_the_engine(family_stack):
 
     import psutil
 
-    args = ["decode", "--model", family_stack.model, "--mode", "combined"]
+    args = ["decode", "--model", family_stack.model, "--mode", "combined", *SMALL_KV_CACHE]
     with family_stack.stack.temporary("combined-doomed", args) as service:
         (engine_core,) = [p for p in psutil.Process(service.process.pid).children() if "EngineCore" in " ".join(p.cmdline()) or p.name().startswith("VLLM")]
         os.kill(engine_core.pid, signal.SIGKILL)

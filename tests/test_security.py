@@ -30,7 +30,7 @@ from epd.security import TlsConfig, channel_credentials
 from epd.testing import synthetic_image_png
 from epd.v1 import encoder_pb2, encoder_pb2_grpc, gateway_pb2, gateway_pb2_grpc, multimodal_pb2
 from tests.conftest import checkpoint
-from tests.helpers import MIN_TOKENS
+from tests.helpers import MIN_TOKENS, SMALL_KV_CACHE
 
 pytestmark = pytest.mark.usefixtures("family_stack")
 
@@ -139,7 +139,7 @@ def secure_stack(tmp_path_factory):
     try:
         # Consumers dial the encoder by the name its certificate covers, as in a StatefulSet.
         encoder = stack.start("encoder", ["encoder", "--model", model, "--advertise-host", "localhost", *tls])
-        combined = stack.start("combined", ["decode", "--model", model, "--mode", "combined", *tls])
+        combined = stack.start("combined", ["decode", "--model", model, "--mode", "combined", *SMALL_KV_CACHE, *tls])
         stack.wait_ready([encoder, combined], timeout=600)
         extra = [*tls, "--auth-token-file", str(pki.token_file)]
         gateway = stack.start("gateway", gateway_args(model, "epd-combined", encoders=[encoder.address], decodes=[combined.address], extra=extra))
