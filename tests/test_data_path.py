@@ -4,18 +4,62 @@ embeddings really decide the output."""
 from __future__ import annotations
 
 import shutil
+from typing import NamedTuple
 
 import grpc
 import pytest
 
 from epd.client import chat_request, generate
-from epd.launcher import gateway_args
+from epd.launcher import ServiceProcess, gateway_args
 from epd.telemetry import scrape
 from epd.testing import synthetic_image_png
 from epd.v1 import decode_pb2, prefill_pb2
-from tests.conftest import checkpoint
+from tests.conftest import DEFAULT_FAMILY, checkpoint
 from tests.helpers import gateway_stub
 from tests.tap import RecordingProxy
+
+
+class OddEncoders(NamedTuple):
+    """Encoders unlike the stack's, each with the gateways its test uses."""
+
+    other_tower: ServiceProcess  # different vision weights; its language-model shards are garbage
+    other_tower_epd: ServiceProcess
+    inline: ServiceProcess  # --embedding-transport inline
+    inline_combined: ServiceProcess
+    inline_epd: ServiceProcess
+
+
+@pytest.fixture(scope="module")
+def odd_encoders(stacks, tmp_path_factory):
+    """Started together: one engine start keeps one core of two busy, so two side by side take
+    little longer than one."""
+    s = stacks.get(DEFAULT_FAMILY)
+    other = tmp_path_factory.mktemp("other-tower") / "checkpoint"
+    shutil.copytree(checkpoint(s.family, vision_seed=1), other)
+    for shard in ("model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors"):
+        (other / shard).write_bytes(b"not a safetensors file" * 100)
+    other_tower = s.stack.start("encoder-other-tower", ["encoder", "--model", str(other)])
+    inline = s.stack.start("encoder-inline", ["encoder", "--model", s.model, "--embedding-transport", "inline"])
+    services = [other_tower, inline]
+    try:
+        s.stack.wait_listening(services)
+        epd = {"prefills": [s.prefill.address], "decodes": [s.decode.address]}
+        gateways = {
+            "other_tower_epd": s.stack.start("gateway-other-tower", gateway_args(s.model, "epd", encoders=[other_tower.address], **epd)),
+            "inline_combined": s.stack.start(
+                "gateway-inline-combined", gateway_args(s.model, "epd-combined", encoders=[inline.address], decodes=[s.combined.address])
+            ),
+            "inline_epd": s.stack.start("gateway-inline-epd", gateway_args(s.model, "epd", encoders=[inline.address], **epd)),
+        }
+        services += gateways.values()
+        s.stack.wait_ready(services, timeout=600)
+        for gateway in gateways.values():
+            gateway.wait_serving()
+        yield OddEncoders(other_tower=other_tower, inline=inline, **gateways)
+    finally:
+        for service in services:
+            service.stop()
+            s.stack.services.remove(service)
 
 
 @pytest.mark.parametrize("mode", ["epd", "epd-combined"])
@@ -55,7 +99,7 @@ async def test_no_media_bytes_reach_prefill_or_decode(family_stack, mode):
         assert item.embedding.WhichOneof("transport") == "nixl" and not decode_request.HasField("kv_handoff")
 
 
-async def test_embeddings_travel_over_nixl_and_decide_the_tokens(family_stack, tmp_path):
+async def test_embeddings_travel_over_nixl_and_decide_the_tokens(family_stack, odd_encoders):
     """An encoder with different vision weights (same language model) changes the tokens. It
     reads only its tower's shard: its checkpoint's language-model shards are garbage."""
     png = synthetic_image_png(170, 110, seed=33)  # unique: no engine has cached this image
@@ -66,21 +110,11 @@ async def test_embeddings_travel_over_nixl_and_decide_the_tokens(family_stack, t
     read = scrape(family_stack.prefill.metrics_port)[loaded] - before
     assert read > 0, "prefill read no embedding bytes over NIXL"
 
-    stack = family_stack.stack
-    other = tmp_path / "other-tower"
-    shutil.copytree(checkpoint(family_stack.family, vision_seed=1), other)
-    for shard in ("model-00002-of-00003.safetensors", "model-00003-of-00003.safetensors"):
-        (other / shard).write_bytes(b"not a safetensors file" * 100)
     # A new image: the engines key their caches by content hash, so a hash they have seen
     # would bring back KV computed from the first encoder's embeddings.
     other_request = chat_request([(synthetic_image_png(170, 110, seed=34), "image/png"), "Describe."], max_tokens=16)
-    with stack.temporary("encoder-other-tower", ["encoder", "--model", str(other)]) as encoder:
-        assert "read 1 of 3 safetensors shards" in encoder.log_tail(400)
-        args = gateway_args(
-            family_stack.model, "epd", encoders=[encoder.address], prefills=[family_stack.prefill.address], decodes=[family_stack.decode.address]
-        )
-        with stack.temporary("gateway-other-tower", args) as gateway:
-            changed = await generate(gateway_stub(gateway.address), other_request, timeout=120)
+    assert "read 1 of 3 safetensors shards" in odd_encoders.other_tower.log_tail(400)
+    changed = await generate(gateway_stub(odd_encoders.other_tower_epd.address), other_request, timeout=120)
     oracle = await generate(family_stack.gateway_stub("monolithic"), other_request, timeout=120)
 
     assert normal.token_ids == (await generate(family_stack.gateway_stub("monolithic"), request, timeout=120)).token_ids
@@ -88,22 +122,15 @@ async def test_embeddings_travel_over_nixl_and_decide_the_tokens(family_stack, t
     assert changed.token_ids != oracle.token_ids
 
 
-async def test_inline_transport_only_where_explicitly_allowed(family_stack):
+async def test_inline_transport_only_where_explicitly_allowed(family_stack, odd_encoders):
     """An encoder configured for inline embeddings gives the same tokens where the consumer
     allows inline bytes (combined, started with --allow-inline-embeddings), and
     FAILED_PRECONDITION where it does not (prefill)."""
-    stack = family_stack.stack
-    model = family_stack.model
     request = chat_request([(synthetic_image_png(144, 120, seed=81), "image/png"), "Inline?"], max_tokens=16, min_tokens=16)
     oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=120)
-    with stack.temporary("encoder-inline", ["encoder", "--model", model, "--embedding-transport", "inline"]) as encoder:
-        combined_args = gateway_args(model, "epd-combined", encoders=[encoder.address], decodes=[family_stack.combined.address])
-        with stack.temporary("gateway-inline-combined", combined_args) as gateway:
-            result = await generate(gateway_stub(gateway.address), request, timeout=120)
-        epd_args = gateway_args(model, "epd", encoders=[encoder.address], prefills=[family_stack.prefill.address], decodes=[family_stack.decode.address])
-        with stack.temporary("gateway-inline-epd", epd_args) as gateway:
-            with pytest.raises(grpc.aio.AioRpcError) as refused:
-                await generate(gateway_stub(gateway.address), request, timeout=120)
+    result = await generate(gateway_stub(odd_encoders.inline_combined.address), request, timeout=120)
+    with pytest.raises(grpc.aio.AioRpcError) as refused:
+        await generate(gateway_stub(odd_encoders.inline_epd.address), request, timeout=120)
     assert result.token_ids == oracle.token_ids
     assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "inline" in refused.value.details()
