@@ -704,25 +704,29 @@ def test_multimodal_vllm_matches_transformers_greedy(multimodal_checkpoints: dic
         assert vllm_result[request]["token_ids"] == expected["token_ids"], request
 
 
-# Room for the few short requests each checkpoint runs; vLLM's 1 GiB CPU default took seconds of
-# each engine's start to allocate and zero.
-KV_CACHE_BYTES = 64 * 2**20
+def tiny_llm(directory: str, *, max_model_len: int, limit_mm_per_prompt: dict[str, int]) -> Any:
+    """vLLM's offline engine on a tiny checkpoint, in float32, with a KV cache of 64 MiB: room
+    for the few short requests each checkpoint runs (vLLM's 1 GiB CPU default took seconds of
+    each engine's start to allocate and zero)."""
+    from vllm import LLM
+
+    return LLM(
+        model=directory,
+        max_model_len=max_model_len,
+        enforce_eager=True,
+        limit_mm_per_prompt=limit_mm_per_prompt,
+        dtype="float32",
+        kv_cache_memory_bytes=64 * 2**20,
+    )
 
 
 def vllm_greedy(directory: str) -> dict[str, Any]:
     """Prompt ids and NEW_TOKENS greedy tokens per test image, from vLLM."""
     from transformers import AutoProcessor
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     text = AutoProcessor.from_pretrained(directory).apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
-    llm = LLM(
-        model=directory,
-        max_model_len=2048,
-        enforce_eager=True,
-        limit_mm_per_prompt={"image": 2},
-        dtype="float32",
-        kv_cache_memory_bytes=KV_CACHE_BYTES,
-    )
+    llm = tiny_llm(directory, max_model_len=2048, limit_mm_per_prompt={"image": 2})
     requests = [{"prompt": text, "multi_modal_data": {"image": synthetic_image(seed)}} for seed in (0, 1)]
     # ignore_eos: compare all NEW_TOKENS even if one side would stop early.
     outputs = llm.generate(requests, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
@@ -735,17 +739,10 @@ def vllm_greedy(directory: str) -> dict[str, Any]:
 def vllm_greedy_audio(directory: str) -> dict[str, Any]:
     """Prompt ids and NEW_TOKENS greedy tokens per test clip, from vLLM given the raw samples."""
     from transformers import AutoProcessor
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     text = AutoProcessor.from_pretrained(directory).apply_chat_template(AUDIO_MESSAGES, tokenize=False, add_generation_prompt=True)
-    llm = LLM(
-        model=directory,
-        max_model_len=2048,
-        enforce_eager=True,
-        limit_mm_per_prompt={"audio": 1},
-        dtype="float32",
-        kv_cache_memory_bytes=KV_CACHE_BYTES,
-    )
+    llm = tiny_llm(directory, max_model_len=2048, limit_mm_per_prompt={"audio": 1})
     requests = [{"prompt": text, "multi_modal_data": {"audio": (synthetic_clip(seed), AUDIO_RATE)}} for seed in (0, 1)]
     outputs = llm.generate(requests, SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
     return {
@@ -758,18 +755,11 @@ def vllm_greedy_multimodal(directory: str) -> dict[str, Any]:
     """What :func:`hf_greedy_multimodal` returns, from vLLM given the raw media and the
     tokenized (not yet expanded) chat prompt."""
     from transformers import AutoConfig, AutoTokenizer
-    from vllm import LLM, SamplingParams
+    from vllm import SamplingParams
 
     tokenizer = AutoTokenizer.from_pretrained(directory)
     modalities = MODALITIES[AutoConfig.from_pretrained(directory).model_type]
-    llm = LLM(
-        model=directory,
-        max_model_len=4096,
-        enforce_eager=True,
-        limit_mm_per_prompt={modality: 1 for modality in modalities},
-        dtype="float32",
-        kv_cache_memory_bytes=KV_CACHE_BYTES,
-    )
+    llm = tiny_llm(directory, max_model_len=4096, limit_mm_per_prompt={modality: 1 for modality in modalities})
     names, requests = [], []
     for modality in modalities:
         text = tokenizer.apply_chat_template(multimodal_messages([modality]), tokenize=False, add_generation_prompt=True)

@@ -58,6 +58,8 @@ def odd_encoders(stacks, tmp_path_factory):
         yield OddEncoders(other_tower=other_tower, inline=inline, **gateways)
     finally:
         for service in services:
+            service.terminate()  # all drain at once, as in Stack.stop
+        for service in services:
             service.stop()
             s.stack.services.remove(service)
 
