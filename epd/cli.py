@@ -155,11 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
     _engine_flags(pre, _KV_FIELDS, _RECEIVE_FIELDS)
     pre.add_argument("--allow-inline-embeddings", action="store_true", help="accept embeddings inline in gRPC (benchmarks)")
 
-    dec = sub.add_parser("decode", help="run the decode service (KV consumer, or combined E+PD)")
+    dec = sub.add_parser("decode", help="run the decode service (E/P/D from a KV handoff, and E+PD; --mode combined: E+PD only)")
     _server_flags(dec)
     _engine_flags(dec, _KV_FIELDS, _RECEIVE_FIELDS)
     dec.add_argument("--mode", choices=["decode", "combined"], default="decode")
-    dec.add_argument("--allow-inline-embeddings", action="store_true", help="combined mode: accept embeddings inline in gRPC (benchmarks)")
+    dec.add_argument("--allow-inline-embeddings", action="store_true", help="E+PD requests: accept embeddings inline in gRPC (benchmarks)")
 
     gw = sub.add_parser("gateway", help="run the public gateway")
     _server_flags(gw)

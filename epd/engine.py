@@ -5,8 +5,9 @@ One class wraps ``AsyncLLM`` so that services speak domain types (``Sampling``, 
 
 - encoder: EC producer (vLLM switches itself to encoder-only and loads only tower shards);
 - prefill: EC consumer (embeddings from the encoder) and NixlConnector KV producer;
-- decode: NixlConnector KV consumer (metadata-only items, KV from prefill);
-- combined (E+PD): EC consumer;
+- decode: NixlConnector KV consumer (metadata-only items, KV from prefill), and EC consumer for
+  the E+PD requests it also serves (those without a KV handoff, which it prefills itself);
+- combined (E+PD only): EC consumer, no KV connector;
 - monolithic: no connector; the correctness oracle, given the raw media.
 
 Requests go through two steps, both vLLM's own: :meth:`Engine.render` runs vLLM's multimodal
@@ -45,7 +46,8 @@ class EngineRole(enum.Enum):
 
     @property
     def ec_role(self) -> str | None:
-        return {EngineRole.ENCODER: "ec_producer", EngineRole.PREFILL: "ec_consumer", EngineRole.COMBINED: "ec_consumer"}.get(self)
+        consumer = (EngineRole.PREFILL, EngineRole.DECODE, EngineRole.COMBINED)
+        return "ec_producer" if self is EngineRole.ENCODER else "ec_consumer" if self in consumer else None
 
     @property
     def kv_role(self) -> str | None:
@@ -73,7 +75,7 @@ class EngineConfig:
     # Prefill: how long computed KV waits for a decode to pull it (a queued decode's heartbeats
     # extend it); then vLLM frees the blocks, so abandoned prefills cannot pin the KV cache.
     kv_lease_s: int = 10
-    # Embedding handoff (EPD's EC connector): encoder, prefill and combined.
+    # Embedding handoff (EPD's EC connector): the encoder and every consumer (prefill, decode, combined).
     embedding_transport: str = "nixl"  # or "inline": bytes in the messages (benchmarks, hosts without NIXL)
     embedding_buffer_bytes: int = 64 * 1024 * 1024  # encoder arena / consumer receive buffer
     arena_slot_bytes: int = 64 * 1024

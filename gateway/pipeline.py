@@ -3,7 +3,8 @@ clients (``gateway.stages``) own the wire, the errors and the deadlines.
 
 - ``epd``: encoder -> prefill -> decode. Prefill and decode get metadata, never media (except
   for a modality the model has no metadata-only layout for, or under ``--forward-media``).
-- ``epd-combined`` (E+PD): encoder -> a combined decode instance that reads the embeddings.
+- ``epd-combined`` (E+PD): encoder -> a decode instance (decode or combined mode) that reads the
+  embeddings and prefills itself.
 - ``monolithic``: one in-process vLLM engine gets the raw media. It is the correctness oracle
   and the benchmarks' baseline; no encoder, no NIXL.
 

@@ -1,12 +1,16 @@
 """The domain logic of the language-model stages (prefill, decode, combined E+PD), in one place.
 
+A decode instance serves both patterns: E/P/D requests carry a KV handoff, and E+PD requests
+(none) it prefills itself, so one decode pool can back both gateway modes. Combined mode is E+PD
+only, with no KV connector.
+
 A stage turns an :class:`EngineRequest` (prompt token ids with one placeholder per item, item
 metadata, embedding locations, a KV handoff) into vLLM's prompt: each item becomes vLLM's
 metadata-only item, built from the fields this model declares (``epd.mm_items``), under its
 content hash; vLLM's processor expands the placeholders from them exactly as the encoder's vLLM
 did from the media. The expanded layout is then checked against the encoder's before anything
-runs. Embeddings reach the engine through the EC connector (prefill, combined), never through
-this process; decode needs none, since the KV already holds them.
+runs. Embeddings reach the engine through the EC connector, never through this process; a
+request with a KV handoff needs none, since the KV already holds them.
 
 Items whose modality has no metadata-only path on this model arrive with their media
 (``forwarded_media``), as does every item under the benchmarks' media-forwarding baseline;
@@ -67,7 +71,8 @@ class EngineStage:
         return PrefillResult(last.token_ids[0], last.kv_handoff, last.prompt_token_count, time.perf_counter() - started)
 
     async def decode(self, request: EngineRequest) -> AsyncIterator[EngineStep]:
-        """Streams the reply: from a KV handoff (decode), or the whole generation (combined)."""
+        """Streams the reply: from a KV handoff (decode mode), or the whole generation (E+PD:
+        combined mode, or decode mode given no handoff)."""
         self._check_role(request)
         if request.kv_handoff is not None:
             await _check_resolvable(request.kv_handoff)
@@ -94,11 +99,12 @@ class EngineStage:
     # ---- internals ----------------------------------------------------------------------
 
     def _check_role(self, request: EngineRequest) -> None:
-        if self.role is EngineRole.DECODE and request.kv_handoff is None:
-            raise FailedPrecondition("this decode service runs in decode mode and needs kv_handoff (use a combined instance for E+PD)")
-        if self.role is not EngineRole.DECODE and request.kv_handoff is not None:
-            raise FailedPrecondition(f"this {self.role.value} service cannot take a kv_handoff")
-        if self.role is EngineRole.DECODE:
+        """A KV handoff goes to decode only, which needs nothing else. A request without one is
+        generated whole here (prefill's first token, decode's or combined's E+PD stream), so its
+        items need their embedding handles."""
+        if request.kv_handoff is not None:
+            if self.role is not EngineRole.DECODE:
+                raise FailedPrecondition(f"this {self.role.value} service cannot take a kv_handoff")
             return  # the KV holds the embeddings; handles are ignored
         violations = []
         for index, item in enumerate(request.items):
@@ -110,7 +116,7 @@ class EngineStage:
             raise InvalidArgument("embedding handles are missing", violations)
 
     def _ec_params(self, request: EngineRequest) -> dict | None:
-        if self.role is EngineRole.DECODE or not request.items:
+        if request.kv_handoff is not None or not request.items:
             return None
         return expected_to_params(
             {

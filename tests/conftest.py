@@ -38,7 +38,9 @@ def stack_key(family: str, dtype: str = "float32") -> str:
 
 @dataclasses.dataclass
 class FamilyStack:
-    """Every deployment of one family, sharing one encoder."""
+    """Every deployment of one family, sharing one encoder. The decode instance also serves the
+    E+PD gateway (a request without a KV handoff it prefills itself), which saves each stack an
+    engine; a combined-mode instance (E+PD only) is started by the tests that need one."""
 
     family: str
     model: str
@@ -46,8 +48,12 @@ class FamilyStack:
     encoder: ServiceProcess
     prefill: ServiceProcess
     decode: ServiceProcess
-    combined: ServiceProcess
     gateways: dict[str, ServiceProcess]
+
+    @property
+    def combined(self) -> ServiceProcess:
+        """The instance behind the E+PD gateway."""
+        return self.decode
 
     def gateway_stub(self, mode: str) -> gateway_pb2_grpc.GatewayServiceStub:
         return gateway_stub(self.gateways[mode].address)
@@ -74,12 +80,11 @@ def _start_services(family: str, model: str, stack: Stack, otlp_endpoint: str, d
     engine = [*dtype, *SMALL_KV_CACHE, *observability]
     encoder = stack.start("encoder", ["encoder", "--model", model, *dtype, *MEDIA_LIMITS, *observability])
     prefill = stack.start("prefill", ["prefill", "--model", model, *engine])
-    decode = stack.start("decode", ["decode", "--model", model, "--mode", "decode", *engine])
-    # The combined instance also accepts inline embeddings (test_data_path covers both transports).
-    combined = stack.start("combined", ["decode", "--model", model, "--mode", "combined", "--allow-inline-embeddings", *engine])
+    # Decode also serves E+PD, and accepts inline embeddings there (test_data_path covers both transports).
+    decode = stack.start("decode", ["decode", "--model", model, "--mode", "decode", "--allow-inline-embeddings", *engine])
     # Gateways start beside the engines, once those have bound their ports: a gateway serves
     # when the stages it watches do.
-    stack.wait_listening([encoder, prefill, decode, combined])
+    stack.wait_listening([encoder, prefill, decode])
     gateways = {
         "monolithic": stack.start("gateway-monolithic", gateway_args(model, "monolithic", extra=[*engine, *MEDIA_LIMITS])),
         "epd": stack.start(
@@ -87,13 +92,13 @@ def _start_services(family: str, model: str, stack: Stack, otlp_endpoint: str, d
             gateway_args(model, "epd", encoders=[encoder.address], prefills=[prefill.address], decodes=[decode.address], extra=[*MEDIA_LIMITS, *observability]),
         ),
         "epd-combined": stack.start(
-            "gateway-combined", gateway_args(model, "epd-combined", encoders=[encoder.address], decodes=[combined.address], extra=MEDIA_LIMITS)
+            "gateway-combined", gateway_args(model, "epd-combined", encoders=[encoder.address], decodes=[decode.address], extra=MEDIA_LIMITS)
         ),
     }
-    stack.wait_ready([encoder, prefill, decode, combined, *gateways.values()], timeout=600)
+    stack.wait_ready([encoder, prefill, decode, *gateways.values()], timeout=600)
     for gateway in gateways.values():
         gateway.wait_serving()
-    return FamilyStack(family, model, stack, encoder, prefill, decode, combined, gateways)
+    return FamilyStack(family, model, stack, encoder, prefill, decode, gateways)
 
 
 class StackManager:

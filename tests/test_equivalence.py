@@ -35,11 +35,14 @@ async def test_greedy_tokens_match_monolithic(family_stack, family, mode, case):
 
 
 async def test_eight_concurrent_streams_match_monolithic(family_stack):
+    """Half through E/P/D and half through E+PD at once: the one decode instance behind both
+    gateways decodes from KV handoffs and prefills whole requests in the same engine steps."""
     requests = [chat_request([_image(112 + 16 * i, 112, 10 + i), f"Request {i}: describe."], max_tokens=20, min_tokens=MIN_TOKENS) for i in range(8)]
     mono = family_stack.gateway_stub("monolithic")
     oracles = [await generate(mono, r, timeout=120) for r in requests]
-    epd = family_stack.gateway_stub("epd")
-    results = await asyncio.gather(*(generate(epd, r, timeout=300) for r in requests))
-    for oracle, result in zip(oracles, results, strict=True):
+    modes = ["epd", "epd-combined"] * 4
+    results = await asyncio.gather(*(generate(family_stack.gateway_stub(mode), r, timeout=300) for mode, r in zip(modes, requests, strict=True)))
+    for oracle, result, mode in zip(oracles, results, modes, strict=True):
         assert result.finished is not None
-        assert result.token_ids == oracle.token_ids
+        assert result.token_ids == oracle.token_ids, mode
+        assert (result.finished.timings.prefill.ToNanoseconds() > 0) == (mode == "epd")

@@ -560,7 +560,7 @@ async def test_a_chat_is_one_trace_from_the_clients_traceparent_through_every_st
             headers={"authorization": f"Bearer {TOKEN}", "traceparent": f"00-{trace_id}-00f067aa0ba902b7-01"},
         )
     assert reply.status_code == 200, reply.text
-    wanted = {"gateway", "encoder", "decode-combined"}
+    wanted = {"gateway", "encoder", "decode-decode"}  # the stack's decode instance serves E+PD
     deadline = time.monotonic() + 20  # exporters flush in batches every few seconds
     while not wanted <= (seen := {s.service for s in otlp_receiver.spans() if s.trace_id == trace_id}) and time.monotonic() < deadline:
         await asyncio.sleep(0.5)

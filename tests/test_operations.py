@@ -20,7 +20,6 @@ SERVICES = {
     "encoder": "epd.v1.EncoderService",
     "prefill": "epd.v1.PrefillService",
     "decode": "epd.v1.DecodeService",
-    "combined": "epd.v1.DecodeService",
 }
 
 

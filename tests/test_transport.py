@@ -466,6 +466,11 @@ def test_a_producer_whose_metadata_nixl_refused_is_loaded_afresh_for_the_next_re
 @dataclasses.dataclass
 class _Position:
     embeds: int
+    offset: int = 3  # after a few text tokens
+
+    @property
+    def length(self) -> int:
+        return self.embeds
 
     def get_num_embeds(self) -> int:
         return self.embeds
@@ -501,7 +506,7 @@ def consumer() -> Iterator[ConsumerScheduler]:
 def _wait_available(consumer: ConsumerScheduler, request: _Request, timeout_s: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if consumer.ensure_cache_available(request):
+        if consumer.ensure_cache_available(request, 0):
             return True
         if request.request_id in consumer.take_unavailable_requests():
             return False
@@ -544,13 +549,25 @@ def test_consumer_refuses_a_slot_that_no_longer_holds_the_promised_item(producer
 )
 def test_consumer_refuses_requests_without_a_usable_handle(consumer, params):
     request = _Request("r3", [_Feature("h3", _Position(2))], params)
-    assert not consumer.ensure_cache_available(request)
+    assert not consumer.ensure_cache_available(request, 0)
     assert consumer.take_unavailable_requests() == {"r3"}
+
+
+def test_a_request_whose_items_are_all_in_its_kv_needs_no_handles(consumer):
+    """A decode engine's request with a KV handoff: the prompt's KV, items included, came from
+    the prefill, so nothing is loaded; should vLLM still have an item's tokens to compute, the
+    missing handles fail the request."""
+    request = _Request("kv", [_Feature("h7", _Position(4, offset=3))], None)
+    assert consumer.ensure_cache_available(request, 7)
+    assert consumer.take_unavailable_requests() == set() and consumer.counters.get("items") == 0
+    consumer.request_finished(request)
+    assert not consumer.ensure_cache_available(request, 6)
+    assert consumer.take_unavailable_requests() == {"kv"}
 
 
 def test_consumer_refuses_a_handle_whose_rows_disagree_with_the_layout(consumer):
     request = _Request("r4", [_Feature("h4", _Position(6))], expected_to_params({"h4": ExpectedItem(5, 16, "float32", InlineEmbedding(b"\0" * 320))}))
-    assert not consumer.ensure_cache_available(request)
+    assert not consumer.ensure_cache_available(request, 0)
     assert consumer.take_unavailable_requests() == {"r4"}
 
 
@@ -559,7 +576,7 @@ def test_consumer_refuses_a_shape_smaller_than_its_location_before_reading(produ
     a larger item would otherwise be READ past them, over other requests' items."""
     location = producer("publish", 73, 8, 128, "float32")
     request = _Request("r6", [_Feature("h6", _Position(8))], expected_to_params({"h6": ExpectedItem(8, 16, "float32", location)}))
-    assert not consumer.ensure_cache_available(request)
+    assert not consumer.ensure_cache_available(request, 0)
     assert consumer.take_unavailable_requests() == {"r6"}
     assert producer("leases") == 1  # nothing was read
     releaser.release([location.lease_id])
@@ -604,7 +621,7 @@ def test_a_well_formed_location_converts_both_ways():
 def test_inline_embeddings_are_copied_in_without_nixl(consumer):
     rows = make_rows(81, 3, 16)
     request = _Request("r5", [_Feature("h5", _Position(3))], expected_to_params({"h5": ExpectedItem(3, 16, "float32", InlineEmbedding(rows.numpy().tobytes()))}))
-    assert consumer.ensure_cache_available(request)
+    assert consumer.ensure_cache_available(request, 0)
     consumer.update_state_after_alloc(request, 0)
     (install,) = consumer.build_installs(_SchedulerOutput())
     view = SharedBuffer.attach(f"{consumer._config.engine_id}-receive").tensor

@@ -92,7 +92,7 @@ class EpdECConnector(ECConnectorBase):
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
         if self._producer is not None:
             return self._producer.ensure_cache_available(request)
-        return self._consumer.ensure_cache_available(request)
+        return self._consumer.ensure_cache_available(request, num_computed_tokens)
 
     def has_cache_item(self, identifier: str) -> bool:
         return (self._producer or self._consumer).has_cache_item(identifier)

@@ -100,10 +100,15 @@ class ConsumerScheduler:
 
     # ---- vLLM scheduler hooks -----------------------------------------------------------
 
-    def ensure_cache_available(self, request: Request) -> bool:
-        """True once every item of the request is here; starts what is missing."""
+    def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
+        """True once every item of the request is here; starts what is missing.
+
+        A request with no handles whose items all lie in tokens it has computed needs nothing:
+        a decode engine's request with a KV handoff, whose prompt KV came from the prefill."""
         state = self._requests.get(request.request_id)
         if state is None:
+            if request.ec_transfer_params is None and all(f.mm_position.offset + f.mm_position.length <= num_computed_tokens for f in request.mm_features):
+                return True
             state = self._admit(request)
         if state is None or request.request_id in self._unavailable:
             return False
@@ -198,6 +203,8 @@ class ConsumerScheduler:
         Raises:
             ValueError: a handle is missing, malformed, or disagrees with its item.
         """
+        if request.ec_transfer_params is None:
+            raise ValueError("the request carries no embedding handles (ec_transfer_params), and its items are not in its KV")
         expected = expected_from_params(request.ec_transfer_params)
         for index, feature in enumerate(request.mm_features):
             handle = expected.get(feature.identifier)

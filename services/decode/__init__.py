@@ -1,1 +1,1 @@
-"""Decode service: KV over NIXL plus metadata in, tokens out; or, combined (E+PD), the whole generation."""
+"""Decode service: KV over NIXL plus metadata in, tokens out; or, for E+PD, the whole generation."""

@@ -1,4 +1,4 @@
-"""Decode entry point: a KV consumer for E/P/D, or (combined) an EC consumer for E+PD."""
+"""Decode entry point: a KV and EC consumer for E/P/D and E+PD, or (combined) an EC consumer for E+PD only."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from services.engine_stage import EngineStage
 
 
 class DecodeMode(enum.Enum):
-    DECODE = "decode"  # E/P/D: KV arrives from a prefill engine; media only as metadata
-    COMBINED = "combined"  # E+PD: reads embeddings itself and prefills too
+    DECODE = "decode"  # E/P/D (KV from a prefill engine, media only as metadata), and E+PD
+    COMBINED = "combined"  # E+PD only: reads embeddings itself and prefills too; no KV connector
 
 
 async def serve(mode: DecodeMode, engine_config: EngineConfig, server: ServerConfig, *, allow_inline: bool = False) -> None:

@@ -1,5 +1,5 @@
 """DecodeService servicer: decode from a KV handoff (metadata only), or run the whole
-generation in combined mode (E+PD), and stream tokens."""
+generation (E+PD: a request without a handoff), and stream tokens."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeServiceServicer):
         """Streams one request's tokens.
 
         Args:
-            request: prompt with one placeholder per item, item metadata (plus embedding handles
-                in combined mode), sampling, and in decode mode the KV handoff.
+            request: prompt with one placeholder per item, item metadata, sampling, and either
+                the KV handoff (E/P/D) or each item's embedding handle (E+PD).
             context: the RPC context; cancelling it aborts the engine request.
 
         Yields:
