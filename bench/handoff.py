@@ -428,7 +428,7 @@ class _Consumers:
         consumer = self.consumer
         started = time.perf_counter_ns()
         deadline = time.monotonic() + _FETCH_TIMEOUT_S
-        while not consumer.ensure_cache_available(request):
+        while not consumer.ensure_cache_available(request, 0):  # a new request: nothing computed yet
             if consumer.take_unavailable_requests() or time.monotonic() > deadline:
                 raise HandoffMismatchError(f"ec_consumer: request {request.request_id} could not load its items (the consumer logged why)")
         for index in range(len(hashes)):
