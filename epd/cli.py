@@ -65,6 +65,7 @@ _HELP = {
     "advertise_host": "host consumers dial for this encoder's NIXL metadata, written into every embedding location (a name its TLS certificate covers); default: --host",
     "queue_timeout_s": "how long an Encode may wait for arena space or the engine before RESOURCE_EXHAUSTED",
     "affinity_routing": "send items to encoders by content hash and requests to prefills by prompt prefix (consistent hashing, bounded load); --no-affinity-routing: least in-flight (benchmarks' baseline)",
+    "local_prefill_fallback": "epd mode: while no prefill instance is live, decode instances prefill requests themselves (E+PD) instead of failing them; readiness then needs no prefill",
     "max_prompt_bytes": "refuse chats with more text than this, before tokenizing (0: no limit)",
     "max_attempts": "tries per request, on other instances, when a stage is UNAVAILABLE before the first token",
     "retry_backoff_s": "first retry's backoff ceiling (doubles per try, full jitter, within the deadline)",
@@ -175,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="benchmarks' baseline: also send every item's media to prefill and decode, which lay it out from the media",
     )
     _flags(gw, _retry_policy_class(), ["max_attempts", "retry_backoff_s"])
-    _flags(gw, _gateway_config_class(), ["max_prompt_bytes", "affinity_routing", *_HTTP_FIELDS])
+    _flags(gw, _gateway_config_class(), ["max_prompt_bytes", "affinity_routing", "local_prefill_fallback", *_HTTP_FIELDS])
     gw.add_argument(
         "--auth-token-file",
         default="",
@@ -314,6 +315,7 @@ def _run_service(args) -> None:
             auth_token_file=args.auth_token_file,
             max_prompt_bytes=args.max_prompt_bytes,
             affinity_routing=args.affinity_routing,
+            local_prefill_fallback=args.local_prefill_fallback,
             max_prompt_tokens=args.max_model_len,
             **_values(args, _HTTP_FIELDS),
         )

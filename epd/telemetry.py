@@ -40,6 +40,7 @@ STAGE_INSTANCE_UP = Gauge(
 )
 STAGE_EJECTIONS = Counter("epd_stage_ejections_total", "Stage instances taken out of the gateway's rotation after a failed call", ["stage"])
 RETRIES = Counter("epd_gateway_retries_total", "Requests retried on other instances after a stage failed before the first token", ["stage"])
+LOCAL_PREFILLS = Counter("epd_gateway_local_prefills_total", "E/P/D requests a decode instance prefilled itself, no prefill instance being live (--local-prefill-fallback)")
 ENCODER_ITEMS = Counter("epd_encoder_items_total", "Media items encoded, by modality", ["modality"])
 ENCODER_SECONDS = Histogram(
     "epd_encoder_seconds", "Encode call time (decode, vLLM processor and tower), per item, by modality", ["modality"], buckets=_LATENCY_BUCKETS

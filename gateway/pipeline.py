@@ -3,6 +3,7 @@ clients (``gateway.stages``) own the wire, the errors and the deadlines.
 
 - ``epd``: encoder -> prefill -> decode. Prefill and decode get metadata, never media (except
   for a modality the model has no metadata-only layout for, or under ``--forward-media``).
+  Under ``--local-prefill-fallback``, while no prefill instance is live, encoder -> decode as E+PD.
 - ``epd-combined`` (E+PD): encoder -> a decode instance (decode or combined mode) that reads the
   embeddings and prefills itself.
 - ``monolithic``: one in-process vLLM engine gets the raw media. It is the correctness oracle
@@ -155,6 +156,7 @@ class DisaggregatedPipeline:
         *,
         retry: RetryPolicy,
         forward_media: bool = False,
+        local_prefill_fallback: bool = False,
     ):
         self.mode = mode
         self.renderer = renderer
@@ -165,6 +167,7 @@ class DisaggregatedPipeline:
         self.retry = retry
         # The benchmarks' baseline: later stages get every item's media and lay it out from it.
         self.forward_media = forward_media
+        self.local_prefill_fallback = local_prefill_fallback
 
     async def close(self) -> None:
         for client in (self.encoders, self.prefills, self.decodes):
@@ -222,7 +225,7 @@ class DisaggregatedPipeline:
                 # then misses the metadata-only ones), so one item that needs its media sends all.
                 items = [dataclasses.replace(item, forwarded_media=media) for item, media in zip(items, request.media, strict=True)]
             engine_request = EngineRequest(request.request_id, tuple(prompt_ids), tuple(items), request.sampling)
-            if self.prefills is not None:
+            if self.prefills is not None and not self._prefill_on_decode(request.request_id):
                 started = time.perf_counter()
                 handoff, prefill_address = await self.prefills.prefill(engine_request, deadline, avoid)
                 clock.timings.prefill = time.perf_counter() - started
@@ -252,6 +255,16 @@ class DisaggregatedPipeline:
                     # KV no decode has read (the decode failed or the request ended first) must
                     # not wait for the prefill's lease either.
                     await asyncio.shield(self.decodes.release_kv(request.request_id, handoff, avoid))
+
+    def _prefill_on_decode(self, request_id: str) -> bool:
+        """Whether this E/P/D request goes to decode without a KV handoff, to be prefilled
+        there (E+PD): only under the local-prefill fallback, while no prefill instance is live
+        (a failed one is ejected at once, so the request's retry lands here)."""
+        if not self.local_prefill_fallback or self.prefills.pool.available:
+            return False
+        logger.warning("request %s: no live prefill instance; a decode instance prefills it (--local-prefill-fallback)", request_id)
+        telemetry.LOCAL_PREFILLS.inc()
+        return True
 
 
 class MonolithicPipeline:

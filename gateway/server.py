@@ -32,6 +32,9 @@ class GatewayConfig:
     retry: RetryPolicy = RetryPolicy()
     forward_media: bool = False  # benchmarks' media-forwarding baseline
     affinity_routing: bool = True  # off (benchmarks' baseline): least in-flight for every stage
+    # E/P/D: with no live prefill instance, decode instances prefill requests themselves (E+PD)
+    # rather than failing them; the gateway then stays ready while encoders and decodes are.
+    local_prefill_fallback: bool = False
     auth_token_file: str = ""  # clients must send this file's token; empty: no token required
     max_prompt_bytes: int = 1024 * 1024  # text of one chat, checked before tokenizing
     max_prompt_tokens: int = 0  # the model's context (the CLI passes --max-model-len); 0: unchecked
@@ -46,12 +49,13 @@ def _renderer(config: GatewayConfig) -> PromptRenderer:
 
 def _disaggregated(config: GatewayConfig, host: GrpcHost, credentials: grpc.ChannelCredentials | None) -> DisaggregatedPipeline:
     """The stage clients, their pools watching every instance's health; the gateway is ready
-    while every stage it uses has an instance that can take work. ``credentials``: how to dial
-    the stages (None: plaintext)."""
+    while every stage it needs has an instance that can take work (prefill is not needed with
+    the local-prefill fallback). ``credentials``: how to dial the stages (None: plaintext)."""
     pools: list[StagePool] = []
 
     def follow_stages() -> None:
-        asyncio.get_running_loop().create_task(host.set_serving(all(pool.available for pool in pools)))
+        needed = [p for p in pools if not (p.stage == "prefill" and config.local_prefill_fallback)]
+        asyncio.get_running_loop().create_task(host.set_serving(all(pool.available for pool in needed)))
 
     def pool(stage: str, addresses: tuple[str, ...], pb2, service: str, stub_class) -> StagePool:
         health_service = pb2.DESCRIPTOR.services_by_name[service].full_name
@@ -81,6 +85,7 @@ def _disaggregated(config: GatewayConfig, host: GrpcHost, credentials: grpc.Chan
         decodes=DecodeClient(pool("decode", config.decodes, decode_pb2, "DecodeService", decode_pb2_grpc.DecodeServiceStub)),
         retry=config.retry,
         forward_media=config.forward_media,
+        local_prefill_fallback=config.local_prefill_fallback,
     )
 
 

@@ -295,3 +295,31 @@ async def test_a_decode_failing_before_its_first_token_frees_the_prefills_kv_at_
             gateway.stop()
             stack.services.remove(gateway)
         await failing.stop(None)
+
+
+async def test_with_no_live_prefill_the_fallback_prefills_on_decode(family_stack):
+    """--local-prefill-fallback: an E/P/D gateway whose only prefill is gone stays ready and
+    serves each request as E+PD on the decode instance, with the monolithic tokens, instead of
+    failing it. The first request tries the prefill (its health not yet known), which fails and
+    is ejected; the retry and every later request skip it."""
+    from epd.ports import free_port
+
+    oracle = await _oracle(family_stack)
+    gone = f"127.0.0.1:{free_port('127.0.0.1')}"  # nothing listens there
+    args = gateway_args(
+        family_stack.model,
+        "epd",
+        encoders=[family_stack.encoder.address],
+        prefills=[gone],
+        decodes=[family_stack.decode.address],
+        extra=["--local-prefill-fallback", "--metrics-port", "0"],
+    )
+    with family_stack.stack.temporary("gateway-local-prefill", args) as gateway:
+        assert await _wait_readiness(gateway.address, health_pb2.HealthCheckResponse.SERVING) == health_pb2.HealthCheckResponse.SERVING
+        for index in range(2):
+            result = await generate(gateway_stub(gateway.address), _request(index), timeout=120)
+            assert result.token_ids == oracle[index]
+            assert result.finished.timings.prefill.ToNanoseconds() == 0 and result.finished.timings.decode.ToNanoseconds() > 0
+        seen = scrape(gateway.metrics_port)
+        assert seen["epd_gateway_local_prefills_total"] == 2
+        assert seen[f"epd_stage_instance_up{{address={gone},stage=prefill}}"] == 0
