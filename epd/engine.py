@@ -46,8 +46,9 @@ class EngineRole(enum.Enum):
 
     @property
     def ec_role(self) -> str | None:
-        consumer = (EngineRole.PREFILL, EngineRole.DECODE, EngineRole.COMBINED)
-        return "ec_producer" if self is EngineRole.ENCODER else "ec_consumer" if self in consumer else None
+        if self is EngineRole.ENCODER:
+            return "ec_producer"
+        return None if self is EngineRole.MONOLITHIC else "ec_consumer"  # prefill, decode, combined
 
     @property
     def kv_role(self) -> str | None:
