@@ -15,7 +15,8 @@ the sentinel instead; the Qwen-style templates insert text verbatim.
 Tokenizing is serialized per renderer: a fast tokenizer's ``encode`` sets
 ``split_special_tokens`` on the one Rust tokenizer every thread shares, so two renders at once
 could tokenize the template's markup as text (or a user's text as markup). The gateway renders
-in worker threads; this race once made concurrent requests' tokens differ from monolithic.
+long chats in worker threads; this race once made concurrent requests' tokens differ from
+monolithic.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import Sequence
 
 from epd.domain import ChatMessage, Modality, Role, TextPart
 from epd.errors import InvalidArgument
+from epd.offload import INLINE_TEXT_BYTES, run_sized
 
 _SENTINEL = "\ue000{}\ue001"
 _SENTINELS = re.compile("\ue000(\\d+)\ue001")
@@ -43,13 +45,18 @@ class PromptRenderer:
         self.max_prompt_bytes = max_prompt_bytes
         self.max_prompt_tokens = max_prompt_tokens
 
+    async def render_on_loop(self, messages: Sequence[ChatMessage]) -> list[int]:
+        """:meth:`render` from an event loop: a short chat in place, a long one in a worker thread."""
+        return await run_sized(chat_text_bytes(messages), INLINE_TEXT_BYTES, self.render, messages)
+
     def render(self, messages: Sequence[ChatMessage]) -> list[int]:
-        """The chat, ready for the assistant's reply. Slow for long chats: call it off the loop.
+        """The chat, ready for the assistant's reply. Slow for long chats: never on an event loop
+        (:meth:`render_on_loop`).
 
         Raises:
             InvalidArgument: the chat is over a size limit.
         """
-        size = sum(len(part.text.encode()) for message in messages for part in message.parts if isinstance(part, TextPart))
+        size = chat_text_bytes(messages)
         if self.max_prompt_bytes and size > self.max_prompt_bytes:
             raise InvalidArgument.for_field("messages", f"hold {size} bytes of text, over the gateway's limit of {self.max_prompt_bytes} (--max-prompt-bytes)")
         texts: list[str] = []
@@ -80,3 +87,9 @@ class PromptRenderer:
         text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=False)
         with self._tokenizing:
             return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+def chat_text_bytes(messages: Sequence[ChatMessage]) -> int:
+    """The UTF-8 size of the chat's text parts: what rendering it costs, and what
+    ``--max-prompt-bytes`` bounds."""
+    return sum(len(part.text.encode()) for message in messages for part in message.parts if isinstance(part, TextPart))

@@ -180,8 +180,7 @@ class DisaggregatedPipeline:
         failure ends the stream, saying how many tokens were sent."""
         clock = clock or RequestClock()
         check_media(request, self.limits)
-        # Rendering a long prompt takes a while: never on the event loop other streams share.
-        prompt_ids = await asyncio.to_thread(self.renderer.render, request.messages)
+        prompt_ids = await self.renderer.render_on_loop(request.messages)
         avoid: set[str] = set()
         for attempt in range(1, self.retry.max_attempts + 1):
             try:
@@ -283,7 +282,7 @@ class MonolithicPipeline:
     async def generate(self, request: GenerateRequest, deadline: float | None, clock: RequestClock | None = None) -> AsyncIterator[Event]:
         clock = clock or RequestClock()
         check_media(request, self.limits)
-        prompt: dict = {"prompt_token_ids": await asyncio.to_thread(self.renderer.render, request.messages)}
+        prompt: dict = {"prompt_token_ids": await self.renderer.render_on_loop(request.messages)}
         media = request.media
         if media:
             check_modalities(media, wire.media_paths(request), self.engine.modalities)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import time
 
 from google.protobuf import duration_pb2
@@ -10,6 +9,7 @@ from google.protobuf import duration_pb2
 from epd import wire
 from epd.domain import FinishReason
 from epd.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
+from epd.offload import INLINE_MESSAGE_BYTES, run_sized
 from epd.rpc import rpc_method
 from epd.v1 import gateway_pb2, gateway_pb2_grpc
 from gateway.pipeline import Delta, Finished, RequestClock
@@ -35,8 +35,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         """
         if self.pipeline is None:
             raise Unavailable("gateway is still starting")
-        # Parsing hashes every media item: megabytes of work that must not stall other streams.
-        generate = await asyncio.to_thread(wire.generate_request_from_wire, request)
+        # Parsing hashes every media item: megabytes of work for a large request, which must not
+        # stall other streams.
+        generate = await run_sized(request.ByteSize(), INLINE_MESSAGE_BYTES, wire.generate_request_from_wire, request)
         if generate.request_id in self._in_flight:
             raise AlreadyExists(f"request_id {generate.request_id!r} is already in flight")
         remaining = context.time_remaining()
