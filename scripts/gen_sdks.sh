@@ -35,6 +35,10 @@ command -v protoc-gen-go-grpc >/dev/null || missing+=(protoc-gen-go-grpc)
 [ -d /usr/share/gocode/src/google.golang.org/grpc ] || missing+=(golang-google-grpc-dev)
 [ -d /usr/share/gocode/src/google.golang.org/protobuf ] || missing+=(golang-google-protobuf-dev)
 [ -d /usr/share/gocode/src/google.golang.org/genproto/googleapis/rpc ] || missing+=(golang-google-genproto-dev)
+# grpc-go 1.33 (un)marshals through github.com/golang/protobuf. Its 1.3 series, which Debian
+# installs with grpc by default, cannot read the APIv2 messages protoc-gen-go 1.28 generates:
+# every call panics ("protobuf tag not enough fields"). 1.5 is the APIv2 shim (it replaces 1.3).
+dpkg-query -W -f='${Status}' golang-github-golang-protobuf-1-5-dev 2>/dev/null | grep -q "ok installed" || missing+=(golang-github-golang-protobuf-1-5-dev)
 command -v node >/dev/null || missing+=(nodejs)
 command -v npm >/dev/null || missing+=(npm)
 if [ ${#missing[@]} -gt 0 ]; then
