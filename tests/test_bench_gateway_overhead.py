@@ -26,3 +26,7 @@ def test_quick_run_writes_a_complete_result(tmp_path):
     assert doc["cpu_ms_per_request"] > 0 and doc["relay_cpu_ms_per_request"] > 0
     report = write_report(tmp_path, tmp_path / "BENCHMARKS.md").read_text()
     assert "## Gateway overhead, alone" in report and "Goal: ≤ 2.0 ms p50" in report
+    for key in ("go_relay_ms", "relay_added_ms", "go_relay_added_ms"):
+        assert doc[key]["count"] == 10
+    assert doc["go_relay_ms"]["median"] > doc["direct_ms"]["median"] and doc["go_relay_cpu_ms_per_request"] > 0
+    assert "the bare grpc-go relay" in report

@@ -1,0 +1,210 @@
+// Command go_stages serves bench/gateway_overhead.py's compiled parts, in grpc-go:
+//
+//	go_stages -role stages                  stand-in encoder, prefill and decode that answer at once
+//	go_stages -role relay -stages HOST:PORT the gateway's hop shape with none of EPD's work
+//
+// Each prints the port it listens on, then serves until killed.
+//
+// The stand-ins do no work, and being compiled they cost next to nothing per call, so what the
+// benchmark measures through the gateway is the gateway's own work and its hops, not a Python
+// server's. The relay (Encode, Prefill, then Decode's stream relayed message by message) is the
+// same bare relay the benchmark also runs on grpc.aio: their difference is what the gRPC runtime
+// alone costs for this hop shape.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"strings"
+	"time"
+
+	epdv1 "epd/sdk/go/epd/v1"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/status"
+)
+
+// What the Python stand-ins answered before: one item of 16 placeholders, 64 wide, and
+// 16 output tokens, one per message.
+const (
+	placeholders = 16
+	width        = 64
+	outputTokens = 16
+	callTimeout  = 30 * time.Second
+)
+
+type encoder struct {
+	epdv1.UnimplementedEncoderServiceServer
+}
+
+func (encoder) Encode(_ context.Context, request *epdv1.EncodeRequest) (*epdv1.EncodeResponse, error) {
+	items := make([]*epdv1.EncodedItem, 0, len(request.GetItems()))
+	for _, item := range request.GetItems() {
+		hash := item.GetContentHash()
+		if hash == "" {
+			hash = strings.Repeat("0", 64)
+		}
+		metadata := &epdv1.MultimodalMetadata{
+			Modality:           epdv1.Modality_MODALITY_IMAGE,
+			ContentHash:        hash,
+			PlaceholderTokenId: 151655,
+			PlaceholderCount:   placeholders,
+			PlaceholderLength:  placeholders,
+			GridThw:            &epdv1.GridThw{T: 1, H: 8, W: 8},
+			EmbeddingShape:     []uint64{placeholders, width},
+			EmbeddingDtype:     epdv1.TensorDtype_TENSOR_DTYPE_FLOAT32,
+		}
+		embedding := &epdv1.EmbeddingHandle{Transport: &epdv1.EmbeddingHandle_Inline{Inline: &epdv1.InlineEmbedding{Data: make([]byte, placeholders*width*4)}}}
+		items = append(items, &epdv1.EncodedItem{Metadata: metadata, Embedding: embedding})
+	}
+	return &epdv1.EncodeResponse{Items: items}, nil
+}
+
+func (encoder) ReleaseEmbeddings(_ context.Context, request *epdv1.ReleaseEmbeddingsRequest) (*epdv1.ReleaseEmbeddingsResponse, error) {
+	return &epdv1.ReleaseEmbeddingsResponse{ReleasedCount: uint32(len(request.GetLeaseIds()))}, nil
+}
+
+func (encoder) GetTransferMetadata(context.Context, *epdv1.GetTransferMetadataRequest) (*epdv1.GetTransferMetadataResponse, error) {
+	// Inline embeddings need no NIXL agent; a consumer asking for one is a bug in the bench.
+	return nil, status.Error(codes.FailedPrecondition, "the stand-in encoder publishes inline embeddings only")
+}
+
+type prefill struct {
+	epdv1.UnimplementedPrefillServiceServer
+}
+
+func (prefill) Prefill(_ context.Context, request *epdv1.PrefillRequest) (*epdv1.PrefillResponse, error) {
+	count := uint32(len(request.GetPrompt().GetTokenIds()))
+	blocks := make([]uint32, 0, count/16+1)
+	for id := uint32(1); id < count/16+2; id++ {
+		blocks = append(blocks, id)
+	}
+	handoff := &epdv1.KvHandoff{
+		RemoteEngineId:    "stand-in",
+		RemoteBlockGroups: []*epdv1.KvBlockGroup{{BlockIds: blocks}},
+		RemoteHost:        "127.0.0.1",
+		RemotePort:        1,
+		RemoteRequestId:   request.GetRequestId(),
+		RemoteNumTokens:   count,
+		TpSize:            1,
+	}
+	return &epdv1.PrefillResponse{FirstTokenId: 1, KvHandoff: handoff, PromptTokenCount: count}, nil
+}
+
+type decode struct {
+	epdv1.UnimplementedDecodeServiceServer
+}
+
+func (decode) Decode(request *epdv1.DecodeRequest, stream epdv1.DecodeService_DecodeServer) error {
+	for index := 0; index < outputTokens; index++ {
+		finish := epdv1.FinishReason_FINISH_REASON_UNSPECIFIED
+		if index == outputTokens-1 {
+			finish = epdv1.FinishReason_FINISH_REASON_LENGTH
+		}
+		message := &epdv1.DecodeResponse{
+			TokenIds:         []uint32{uint32(100 + index)},
+			Text:             "x",
+			FinishReason:     finish,
+			PromptTokenCount: uint32(len(request.GetPrompt().GetTokenIds())),
+		}
+		if err := stream.Send(message); err != nil {
+			return err
+		}
+	}
+	return nil
+}
+
+func (decode) ReleaseKv(context.Context, *epdv1.ReleaseKvRequest) (*epdv1.ReleaseKvResponse, error) {
+	return &epdv1.ReleaseKvResponse{}, nil
+}
+
+type relay struct {
+	epdv1.UnimplementedGatewayServiceServer
+	encoder epdv1.EncoderServiceClient
+	prefill epdv1.PrefillServiceClient
+	decode  epdv1.DecodeServiceClient
+	prompt  *epdv1.EnginePrompt
+}
+
+func (r *relay) Generate(request *epdv1.GenerateRequest, stream epdv1.GatewayService_GenerateServer) error {
+	ctx, cancel := context.WithTimeout(stream.Context(), callTimeout)
+	defer cancel()
+	// The media goes on to the encoder, as the gateway sends it.
+	image := request.GetMessages()[0].GetParts()[0].GetImage()
+	items := []*epdv1.MediaItem{{Media: &epdv1.MediaItem_Image{Image: &epdv1.Media{Data: image.GetData(), MimeType: image.GetMimeType()}}}}
+	if _, err := r.encoder.Encode(ctx, &epdv1.EncodeRequest{RequestId: request.GetRequestId(), Items: items}); err != nil {
+		return err
+	}
+	if _, err := r.prefill.Prefill(ctx, &epdv1.PrefillRequest{RequestId: request.GetRequestId(), Prompt: r.prompt}); err != nil {
+		return err
+	}
+	decoding, err := r.decode.Decode(ctx, &epdv1.DecodeRequest{RequestId: request.GetRequestId(), Prompt: r.prompt})
+	if err != nil {
+		return err
+	}
+	for {
+		message, err := decoding.Recv()
+		if err == io.EOF {
+			break
+		}
+		if err != nil {
+			return err
+		}
+		delta := &epdv1.GenerateDelta{TokenIds: message.GetTokenIds(), Text: message.GetText()}
+		if err := stream.Send(&epdv1.GenerateResponse{Event: &epdv1.GenerateResponse_Delta{Delta: delta}}); err != nil {
+			return err
+		}
+	}
+	return stream.Send(&epdv1.GenerateResponse{Event: &epdv1.GenerateResponse_Finished{Finished: &epdv1.GenerateFinished{}}})
+}
+
+func main() {
+	role := flag.String("role", "", "stages or relay")
+	stages := flag.String("stages", "", "for the relay: the stand-in stages' address (host:port)")
+	flag.Parse()
+	server := grpc.NewServer()
+	switch *role {
+	case "stages":
+		epdv1.RegisterEncoderServiceServer(server, encoder{})
+		epdv1.RegisterPrefillServiceServer(server, prefill{})
+		epdv1.RegisterDecodeServiceServer(server, decode{})
+		// The gateway routes only to instances whose health says SERVING.
+		healthServer := health.NewServer()
+		for _, name := range []string{"epd.v1.EncoderService", "epd.v1.PrefillService", "epd.v1.DecodeService"} {
+			healthServer.SetServingStatus(name, healthpb.HealthCheckResponse_SERVING)
+		}
+		healthpb.RegisterHealthServer(server, healthServer)
+	case "relay":
+		conn, err := grpc.Dial(*stages, grpc.WithInsecure())
+		exitIf(err)
+		tokens := make([]uint32, 40)
+		for i := range tokens {
+			tokens[i] = uint32(i)
+		}
+		epdv1.RegisterGatewayServiceServer(server, &relay{
+			encoder: epdv1.NewEncoderServiceClient(conn),
+			prefill: epdv1.NewPrefillServiceClient(conn),
+			decode:  epdv1.NewDecodeServiceClient(conn),
+			prompt:  &epdv1.EnginePrompt{TokenIds: tokens},
+		})
+	default:
+		exitIf(fmt.Errorf("-role must be stages or relay, got %q", *role))
+	}
+	listener, err := net.Listen("tcp", "127.0.0.1:0")
+	exitIf(err)
+	fmt.Println(listener.Addr().(*net.TCPAddr).Port)
+	exitIf(server.Serve(listener))
+}
+
+func exitIf(err error) {
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "error:", err)
+		os.Exit(1)
+	}
+}
