@@ -283,8 +283,13 @@ class _FirstDecodeFails:
         pass  # a text-only request holds no embedding leases
 
 
+class _Renderer:
+    async def render_on_loop(self, messages) -> list[int]:
+        return [1, 2, 3]
+
+
 async def _run_once(stages: _FirstDecodeFails) -> list:
-    renderer = type("Renderer", (), {"render": lambda self, messages: [1, 2, 3]})()
+    renderer = _Renderer()
     pipeline = DisaggregatedPipeline(Mode.EPD, renderer, MediaLimits(), stages, stages, stages, retry=RetryPolicy(max_attempts=2, retry_backoff_s=0.001))
     request = wire.generate_request_from_wire(chat_request(["hello"], max_tokens=2))
     return [event async for event in pipeline.generate(request, deadline=None)]
