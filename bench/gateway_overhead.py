@@ -10,13 +10,21 @@ conversions, tracing, metrics and streaming the deltas back.
 The stand-ins are compiled (``bench/go_stages``, grpc-go on the generated Go SDK, built here
 and run as their own process), so that a call to one costs next to nothing: stand-ins on
 grpc.aio spent about half a millisecond of Python per call, which this benchmark charged to the
-gateway. Without the Go SDK the script generates it (``scripts/gen_sdks.sh``).
+gateway. The client that times the paths is compiled too (``go_stages -role client``): a
+grpc.aio client spends Python on every message it reads, and that cost varied with what it had
+run just before (its one-hop floor read 0.7 ms after one path and 1.7 ms on its own), which
+moved the differences below by as much. Without the Go SDK the script generates it
+(``scripts/gen_sdks.sh``).
 
 Requests go one at a time (one image, 16 output tokens), so latency is not queueing. Reported:
 
 - ``latency_ms``: client-seen Generate latency through the gateway (p50, p99);
 - ``direct_ms``: the same client streaming the same tokens straight from the stand-in decode:
   the floor of one hop; ``added_ms`` = gateway latency minus that floor (median and p99);
+- ``first_token_added_ms``: the same difference at the first token (what the gateway adds to
+  TTFT: its per-request work and its three hops), and ``per_token_added_ms`` the rest spread
+  over the later tokens (what relaying one more streamed token costs), so the figure for any
+  output length is the first plus that many times the second;
 - ``cpu_ms_per_request``: the gateway process's CPU time (user + system) per request;
 - ``relay_ms`` / ``relay_added_ms`` / ``relay_cpu_ms_per_request``: the same hops through a bare
   grpc.aio relay in its own process (Encode, Prefill, then Decode's stream relayed message by
@@ -34,12 +42,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import multiprocessing
 import os
 import pathlib
 import subprocess
 import tempfile
-import time
 from typing import Any
 
 import grpc
@@ -123,72 +131,50 @@ def _serve_bare_relay(stage_address: str, ports: multiprocessing.Queue) -> None:
     asyncio.run(serve())
 
 
-async def _measure(gateway_address: str, relays: dict[str, str], decode_address: str, requests: int, pids: dict[str, int]) -> dict[str, Any]:
-    """``relays``: the bare relays by name (``relay``, ``go_relay``), timed in turn with the
-    gateway and the floor."""
-    from epd.client import chat_request, generate
+def _measure(go_stages: pathlib.Path, paths: dict[str, str], decode_address: str, requests: int, pids: dict[str, int], scratch: pathlib.Path) -> dict[str, Any]:
+    """Times ``paths`` (GatewayService addresses by name: ``gateway``, ``relay``, ``go_relay``)
+    and the floor with the compiled client (``go_stages -role client``), and reads the CPU time
+    of the processes in ``pids`` around the timed requests."""
     from epd.testing import synthetic_image_png
-    from epd.v1 import common_pb2, decode_pb2, decode_pb2_grpc, engine_pb2, gateway_pb2_grpc
 
-    image = synthetic_image_png(224, 224, seed=1)
+    image = scratch / "image.png"
+    image.write_bytes(synthetic_image_png(224, 224, seed=1))
+    targets = ",".join(f"{name}={address}" for name, address in paths.items())
     processes = {name: psutil.Process(pid) for name, pid in pids.items()}
-    latencies, direct = [], []
-    relayed: dict[str, list[float]] = {name: [] for name in relays}
-    async with contextlib.AsyncExitStack() as channels:
-        gateway_channel = await channels.enter_async_context(grpc.aio.insecure_channel(gateway_address))
-        decode_channel = await channels.enter_async_context(grpc.aio.insecure_channel(decode_address))
-        gateway = gateway_pb2_grpc.GatewayServiceStub(gateway_channel)
-        relay_stubs = {
-            name: gateway_pb2_grpc.GatewayServiceStub(await channels.enter_async_context(grpc.aio.insecure_channel(address)))
-            for name, address in relays.items()
-        }
-        decode = decode_pb2_grpc.DecodeServiceStub(decode_channel)
-        direct_request = decode_pb2.DecodeRequest(
-            request_id="direct",
-            prompt=engine_pb2.EnginePrompt(token_ids=list(range(40))),
-            sampling=common_pb2.SamplingParams(max_tokens=OUTPUT_TOKENS),
-        )
-        # The paths take turns, so the machine's noise falls on all of them alike.
-        for index in range(WARMUP + requests):
-            request = chat_request([(image, "image/png"), "Describe it."], max_tokens=OUTPUT_TOKENS)
-            if index == WARMUP:
-                cpu_before = {name: process.cpu_times() for name, process in processes.items()}
-            started = time.perf_counter()
-            result = await generate(gateway, request, timeout=30)
-            elapsed = time.perf_counter() - started
-            assert len(result.token_ids) == OUTPUT_TOKENS, result
-            relay_elapsed = {}
-            for name, stub in relay_stubs.items():
-                started = time.perf_counter()
-                deltas = sum([1 async for message in stub.Generate(request, timeout=30) if message.HasField("delta")])
-                relay_elapsed[name] = time.perf_counter() - started
-                assert deltas == OUTPUT_TOKENS, f"{name} relayed {deltas} deltas"
-            started = time.perf_counter()
-            async for _ in decode.Decode(direct_request, timeout=30):
-                pass
-            floor = time.perf_counter() - started
-            if index >= WARMUP:
-                latencies.append(elapsed * 1e3)
-                for name, seconds in relay_elapsed.items():
-                    relayed[name].append(seconds * 1e3)
-                direct.append(floor * 1e3)
+    client = subprocess.Popen(
+        [str(go_stages), "-role", "client", "-targets", targets, "-decode", decode_address, "-image", str(image), "-warmup", str(WARMUP), "-requests", str(requests)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    with client:
+        if client.stdout.readline().strip() != "warm":
+            raise RuntimeError(f"the timing client failed its warm-up (exit code {client.wait(10)})")
+        cpu_before = {name: process.cpu_times() for name, process in processes.items()}
+        output, _ = client.communicate("go\n", timeout=600)
         cpu_after = {name: process.cpu_times() for name, process in processes.items()}
+    if client.returncode != 0:
+        raise RuntimeError(f"the timing client failed (exit code {client.returncode})")
+    timed = {name: {key: [seconds * 1e3 for seconds in samples] for key, samples in streams.items()} for name, streams in json.loads(output).items()}
     cpu_ms = {
         name: ((cpu_after[name].user - cpu_before[name].user) + (cpu_after[name].system - cpu_before[name].system)) * 1e3 / requests
         for name in processes
     }
-    result = {
-        "requests": requests,
-        "latency_ms": summarize(latencies),
-        "direct_ms": summarize(direct),
-        "added_ms": summarize([lat - floor for lat, floor in zip(latencies, direct, strict=True)]),
-        "added_by_epd_ms": summarize([lat - bare for lat, bare in zip(latencies, relayed["relay"], strict=True)]),
-        "cpu_ms_per_request": cpu_ms["gateway"],
-    }
-    for name, samples in relayed.items():
-        result[f"{name}_ms"] = summarize(samples)
-        result[f"{name}_added_ms"] = summarize([bare - floor for bare, floor in zip(samples, direct, strict=True)])
-        result[f"{name}_cpu_ms_per_request"] = cpu_ms[name]
+    floor = timed["floor"]
+
+    def over_floor(stream: dict[str, list[float]], key: str) -> list[float]:
+        return [sample - at_floor for sample, at_floor in zip(stream[key], floor[key], strict=True)]
+
+    result = {"requests": requests, "direct_ms": summarize(floor["total_s"])}
+    for name in paths:
+        prefix = "" if name == "gateway" else f"{name}_"
+        added, first_added = over_floor(timed[name], "total_s"), over_floor(timed[name], "first_s")
+        result[f"{prefix}added_ms"] = summarize(added)
+        result[f"{prefix}first_token_added_ms"] = summarize(first_added)
+        result[f"{prefix}per_token_added_ms"] = summarize([(total - first) / (OUTPUT_TOKENS - 1) for total, first in zip(added, first_added, strict=True)])
+        result[f"{prefix}cpu_ms_per_request"] = cpu_ms[name]
+        result["latency_ms" if name == "gateway" else f"{name}_ms"] = summarize(timed[name]["total_s"])
+    result["added_by_epd_ms"] = summarize([ours - bare for ours, bare in zip(timed["gateway"]["total_s"], timed["relay"]["total_s"], strict=True)])
     return result
 
 
@@ -199,7 +185,8 @@ def run(*, quick: bool = False, num_requests: int | None = None, results_dir: pa
     model = str(ensure_tiny_checkpoint(FAMILY, _ROOT / "checkpoints"))
     requests = num_requests or (QUICK_REQUESTS if quick else DEFAULT_REQUESTS)
 
-    async def experiment(go_stages: pathlib.Path) -> dict[str, Any]:
+    def experiment(scratch: pathlib.Path) -> dict[str, Any]:
+        go_stages = _build_go_stages(scratch)
         stack = Stack()
         spawn = multiprocessing.get_context("spawn")
         ports = spawn.Queue()
@@ -214,13 +201,13 @@ def run(*, quick: bool = False, num_requests: int | None = None, results_dir: pa
             args = gateway_args(model, "epd", encoders=[stages_address], prefills=[stages_address], decodes=[stages_address])
             gateway = stack.start("gateway-overhead", args)
             processes.callback(stack.stop)
-            await asyncio.to_thread(stack.wait_ready, [gateway], 120)
-            relays = {"relay": f"127.0.0.1:{await asyncio.to_thread(ports.get, True, 60)}", "go_relay": go_relay_address}
+            stack.wait_ready([gateway], 120)
+            paths = {"gateway": gateway.address, "relay": f"127.0.0.1:{ports.get(True, 60)}", "go_relay": go_relay_address}
             pids = {"gateway": gateway.process.pid, "relay": relay.pid, "go_relay": go_relay.pid}
-            return await _measure(gateway.address, relays, stages_address, requests, pids)
+            return _measure(go_stages, paths, stages_address, requests, pids, scratch)
 
-    with tempfile.TemporaryDirectory(prefix="epd-go-stages-") as build_dir:
-        result = asyncio.run(experiment(_build_go_stages(pathlib.Path(build_dir))))
+    with tempfile.TemporaryDirectory(prefix="epd-gateway-overhead-") as scratch:
+        result = experiment(pathlib.Path(scratch))
     result.update(model=model, output_tokens=OUTPUT_TOKENS, goal_p50_ms=GOAL_P50_MS)
     progress(
         f"{NAME}: p50 {result['latency_ms']['median']:.2f} ms (floor {result['direct_ms']['median']:.2f}, added {result['added_ms']['median']:.2f}, "

@@ -229,7 +229,8 @@ def _gateway_overhead(doc: dict) -> list[str]:
         f"Machine: {_machine(doc)}  ",
         f"{doc['requests']} sequential E/P/D requests of one 224 px PNG and {doc['output_tokens']} output tokens (one per streamed message), "
         "after a warm-up. The stand-in encoder, prefill and decode do no work and are compiled (grpc-go, `bench/go_stages`), so a call to one "
-        "costs next to nothing: every millisecond is the gateway's, its three hops' and the client's. "
+        "costs next to nothing, and so is the client that times every path (`go_stages -role client`): every millisecond is the gateway's and its "
+        "three hops'. "
         "The bare relays make the same three calls from their own process and relay the decode's stream message by message, with none of EPD's "
         "work (no parsing, hashing, template, routing, spans or metrics): the grpc.aio one is the floor the gateway's runtime sets for this hop "
         "shape, the grpc-go one what a compiled gRPC runtime costs for it. The paths take turns request by request. "
@@ -246,6 +247,17 @@ def _gateway_overhead(doc: dict) -> list[str]:
         f"| of which EPD's own work (per request, gateway minus grpc.aio relay) | {_fmt(ours['median'])} | {_fmt(ours['p99'])} |",
         f"| added by the bare grpc.aio relay (relay minus floor) | {_fmt(relay_added['median'])} | {_fmt(relay_added['p99'])} |",
         f"| added by the bare grpc-go relay (relay minus floor) | {_fmt(go_relay_added['median'])} | {_fmt(go_relay_added['p99'])} |",
+        "",
+        "Where the added time goes (medians, ms): at the first token (the per-request work and the three hops, what TTFT grows by), and per "
+        f"later token (relaying one more streamed message; {doc['output_tokens'] - 1} here), so any output length costs the first plus that many "
+        "times the second.",
+        "",
+        "| path | added at the first token | added per later token |",
+        "| --- | --- | --- |",
+        *(
+            f"| {path} | {_fmt(doc[prefix + 'first_token_added_ms']['median'])} | {_fmt(doc[prefix + 'per_token_added_ms']['median'], 3)} |"
+            for path, prefix in (("the EPD gateway", ""), ("bare grpc.aio relay", "relay_"), ("bare grpc-go relay", "go_relay_"))
+        ),
         "",
         f"CPU per request (user + system, all threads): gateway {_fmt(doc['cpu_ms_per_request'])} ms, grpc.aio relay "
         f"{_fmt(doc['relay_cpu_ms_per_request'])} ms, grpc-go relay {_fmt(doc['go_relay_cpu_ms_per_request'])} ms. "

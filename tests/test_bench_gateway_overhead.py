@@ -32,3 +32,10 @@ def test_quick_run_writes_a_complete_result(tmp_path):
         assert doc[key]["count"] == 60
     assert doc["go_relay_ms"]["median"] > doc["direct_ms"]["median"] and doc["go_relay_cpu_ms_per_request"] > 0
     assert "the bare grpc-go relay" in report
+    # The added time splits into the first token's and the later tokens': three hops come before
+    # the first token, so it grows on every path; relaying adds to each later token.
+    for path in ("", "relay_", "go_relay_"):
+        assert doc[f"{path}first_token_added_ms"]["count"] == doc[f"{path}per_token_added_ms"]["count"] == 60
+        assert doc[f"{path}first_token_added_ms"]["median"] > 0
+    assert doc["per_token_added_ms"]["median"] > 0 and doc["relay_per_token_added_ms"]["median"] > 0
+    assert "| the EPD gateway | " in report and "added per later token" in report

@@ -2,14 +2,18 @@
 //
 //	go_stages -role stages                  stand-in encoder, prefill and decode that answer at once
 //	go_stages -role relay -stages HOST:PORT the gateway's hop shape with none of EPD's work
+//	go_stages -role client -targets gateway=HOST:PORT,... -decode HOST:PORT -image FILE
+//	                                        the timing client (client.go)
 //
-// Each prints the port it listens on, then serves until killed.
+// The servers print the port they listen on, then serve until killed.
 //
 // The stand-ins do no work, and being compiled they cost next to nothing per call, so what the
 // benchmark measures through the gateway is the gateway's own work and its hops, not a Python
 // server's. The relay (Encode, Prefill, then Decode's stream relayed message by message) is the
 // same bare relay the benchmark also runs on grpc.aio: their difference is what the gRPC runtime
-// alone costs for this hop shape.
+// alone costs for this hop shape. The client is compiled for the same reason: a grpc.aio client
+// spends Python on every message it reads, and that cost, which differs with what ran just
+// before, would fall unevenly on the paths it times.
 package main
 
 import (
@@ -165,9 +169,18 @@ func (r *relay) Generate(request *epdv1.GenerateRequest, stream epdv1.GatewaySer
 }
 
 func main() {
-	role := flag.String("role", "", "stages or relay")
+	role := flag.String("role", "", "stages, relay or client")
 	stages := flag.String("stages", "", "for the relay: the stand-in stages' address (host:port)")
+	targets := flag.String("targets", "", "for the client: the GatewayService paths to time, name=host:port,...")
+	decodeAddress := flag.String("decode", "", "for the client: the stand-in decode's address, the floor")
+	image := flag.String("image", "", "for the client: the PNG each request carries")
+	warmup := flag.Int("warmup", 20, "for the client: requests per path before timing")
+	requests := flag.Int("requests", 300, "for the client: timed requests per path")
 	flag.Parse()
+	if *role == "client" {
+		exitIf(runClient(*targets, *decodeAddress, *image, *warmup, *requests))
+		return
+	}
 	server := grpc.NewServer()
 	switch *role {
 	case "stages":
@@ -194,7 +207,7 @@ func main() {
 			prompt:  &epdv1.EnginePrompt{TokenIds: tokens},
 		})
 	default:
-		exitIf(fmt.Errorf("-role must be stages or relay, got %q", *role))
+		exitIf(fmt.Errorf("-role must be stages, relay or client, got %q", *role))
 	}
 	listener, err := net.Listen("tcp", "127.0.0.1:0")
 	exitIf(err)
