@@ -147,15 +147,18 @@ def _measure(go_stages: pathlib.Path, paths: dict[str, str], decode_address: str
         stdout=subprocess.PIPE,
         text=True,
     )
-    with client:
+    try:
         if client.stdout.readline().strip() != "warm":
             raise RuntimeError(f"the timing client failed its warm-up (exit code {client.wait(10)})")
         cpu_before = {name: process.cpu_times() for name, process in processes.items()}
         output, _ = client.communicate("go\n", timeout=600)
         cpu_after = {name: process.cpu_times() for name, process in processes.items()}
+    finally:
+        _stop(client)
     if client.returncode != 0:
         raise RuntimeError(f"the timing client failed (exit code {client.returncode})")
-    timed = {name: {key: [seconds * 1e3 for seconds in samples] for key, samples in streams.items()} for name, streams in json.loads(output).items()}
+    # By path: the first message's and the last one's arrival, in ms from the request.
+    timed = {name: {"first": [s * 1e3 for s in streams["first_s"]], "total": [s * 1e3 for s in streams["total_s"]]} for name, streams in json.loads(output).items()}
     cpu_ms = {
         name: ((cpu_after[name].user - cpu_before[name].user) + (cpu_after[name].system - cpu_before[name].system)) * 1e3 / requests
         for name in processes
@@ -165,16 +168,16 @@ def _measure(go_stages: pathlib.Path, paths: dict[str, str], decode_address: str
     def over_floor(stream: dict[str, list[float]], key: str) -> list[float]:
         return [sample - at_floor for sample, at_floor in zip(stream[key], floor[key], strict=True)]
 
-    result = {"requests": requests, "direct_ms": summarize(floor["total_s"])}
+    result = {"requests": requests, "direct_ms": summarize(floor["total"])}
     for name in paths:
         prefix = "" if name == "gateway" else f"{name}_"
-        added, first_added = over_floor(timed[name], "total_s"), over_floor(timed[name], "first_s")
+        added, first_added = over_floor(timed[name], "total"), over_floor(timed[name], "first")
         result[f"{prefix}added_ms"] = summarize(added)
         result[f"{prefix}first_token_added_ms"] = summarize(first_added)
         result[f"{prefix}per_token_added_ms"] = summarize([(total - first) / (OUTPUT_TOKENS - 1) for total, first in zip(added, first_added, strict=True)])
         result[f"{prefix}cpu_ms_per_request"] = cpu_ms[name]
-        result["latency_ms" if name == "gateway" else f"{name}_ms"] = summarize(timed[name]["total_s"])
-    result["added_by_epd_ms"] = summarize([ours - bare for ours, bare in zip(timed["gateway"]["total_s"], timed["relay"]["total_s"], strict=True)])
+        result["latency_ms" if name == "gateway" else f"{name}_ms"] = summarize(timed[name]["total"])
+    result["added_by_epd_ms"] = summarize([ours - bare for ours, bare in zip(timed["gateway"]["total"], timed["relay"]["total"], strict=True)])
     return result
 
 

@@ -171,22 +171,33 @@ class DecodeClient:
 
     async def decode(self, request: EngineRequest, deadline: float | None, avoid: frozenset[str] = frozenset()) -> AsyncIterator[DecodeStep | DecodeEnd]:
         """Streams the decode stage's tokens, then one :class:`DecodeEnd`; leaving early
-        cancels the call, which aborts the engine request."""
+        cancels the call, which aborts the engine request.
+
+        After the last message the call is still read to its status rather than cancelled: a
+        call cancelled there ends on the decode as CANCELLED, not as the success it was (its
+        handler is cut off before it finishes, and its request count misses it)."""
         address = self.pool.pick(avoid)
+        ended = False
         with self.pool.busy(address) as stub, _tracer.start_as_current_span("decode", kind=SpanKind.CLIENT):
             call = stub.Decode(wire.decode_request_to_wire(request), timeout=time_left(deadline), metadata=telemetry.trace_metadata())
             try:
                 async for response in call:
+                    if ended:
+                        continue  # nothing should follow the last message; it is not the client's
                     if response.token_ids:
                         yield DecodeStep(list(response.token_ids), response.text, response.prompt_token_count)
                     if response.finish_reason:
+                        ended = True
                         yield DecodeEnd(wire.finish_reason_from_wire(response.finish_reason), response.prompt_token_count)
-                        return
             except grpc.aio.AioRpcError as exc:
-                raise _stage_error(self.pool, address, exc, deadline) from exc
+                if not ended:
+                    raise _stage_error(self.pool, address, exc, deadline) from exc
+                # The reply is complete and delivered: a status lost after it fails nothing.
+                logger.warning("decode %s: the call failed after its last message: %s %s", address, exc.code().name, exc.details())
             finally:
                 call.cancel()  # no-op once done
-        raise StageFailed("decode", address, f"decode {address} ended its stream without a finish reason")
+        if not ended:
+            raise StageFailed("decode", address, f"decode {address} ended its stream without a finish reason")
 
     async def release_kv(self, request_id: str, handoff: KvHandoff, avoid: frozenset[str] = frozenset()) -> None:
         """Frees a prefill's KV that no decode will read, through any live decode instance, so it
