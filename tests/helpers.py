@@ -37,13 +37,14 @@ async def close_channels() -> None:
     await asyncio.gather(*(channel.close() for channel in channels))
 
 
-async def wait_for_metric(metrics_port: int, name: str, expected: float, timeout: float = 10.0) -> float:
-    """Polls until a metric reaches ``expected`` (leases are freed by async notifications)."""
+async def wait_for_metric(metrics_port: int, name: str, expected: float, timeout: float = 10.0, absent: float | None = None) -> float:
+    """Polls until a metric reaches ``expected`` (leases are freed by async notifications);
+    ``absent``: its value while the service has not exported it yet."""
     deadline = asyncio.get_running_loop().time() + timeout
-    value = scrape(metrics_port).get(name)
+    value = scrape(metrics_port).get(name, absent)
     while value != expected and asyncio.get_running_loop().time() < deadline:
         await asyncio.sleep(0.1)
-        value = scrape(metrics_port).get(name)
+        value = scrape(metrics_port).get(name, absent)
     return value
 
 

@@ -173,13 +173,17 @@ async def test_a_decode_killed_mid_stream_ends_its_stream_and_later_requests_are
         # A stream on the doomed decode: the gateway prefers instances whose health it has heard
         # from, and ties rotate, so within a few tries one lands there. The stream is long enough
         # (seconds at a few ms per token) that the kill always lands before it could finish.
+        in_flight = "epd_requests_in_flight{service=decode}"
         for _ in range(4):
             stream = stub.Generate(_request(2, max_tokens=3000), timeout=120)
             first = await stream.read()
             assert first.HasField("delta") and first.delta.token_ids
-            if scrape(doomed.metrics_port).get("epd_requests_in_flight{service=decode}") == 1.0:
+            # Each try starts with both decodes idle (below), so this stream is the one in flight.
+            if scrape(doomed.metrics_port).get(in_flight) == 1.0 and scrape(family_stack.decode.metrics_port).get(in_flight, 0.0) == 0.0:
                 break
             stream.cancel()
+            for decode in (doomed, family_stack.decode):
+                assert await wait_for_metric(decode.metrics_port, in_flight, 0.0, timeout=30, absent=0.0) == 0.0, f"{decode.name} still serves a cancelled stream"
         else:
             pytest.fail("no stream reached the doomed decode in 4 tries")
         doomed.kill()
