@@ -183,7 +183,7 @@ class DecodeClient:
             try:
                 async for response in call:
                     if ended:
-                        continue  # nothing should follow the last message; it is not the client's
+                        continue  # a decode sends nothing after its last message; were it to, it is no part of the reply
                     if response.token_ids:
                         yield DecodeStep(list(response.token_ids), response.text, response.prompt_token_count)
                     if response.finish_reason:
