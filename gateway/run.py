@@ -8,6 +8,10 @@ Deltas the front has not yet taken are merged into one, as vLLM's ``RequestOutpu
 does. A client or front that reads slower than the decode produces then gets fewer, larger
 messages rather than a backlog. Each relayed message costs the gateway about 0.2 ms of CPU in
 grpc.aio alone (bench/gateway_overhead.py's bare relay), most of its work per request.
+
+The front's stream ends with the ``Finished`` event, not with the pipeline: what the pipeline
+still does after it (reading the decode call to its status) is no part of the reply, so the
+front sends its own status at once and the pipeline winds down in the background.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import collections
 import contextlib
 from collections.abc import AsyncIterator
 
-from gateway.pipeline import Delta, Event
+from gateway.pipeline import Delta, Event, Finished
 
 
 class RunCancelled(Exception):
@@ -27,20 +31,27 @@ class RunCancelled(Exception):
 _END = object()
 _CANCELLED = object()
 
+# Runs winding down after their Finished event: the loop keeps only weak references to tasks.
+_winding_down: set[asyncio.Task] = set()
+
 
 class PipelineRun:
     def __init__(self, events: AsyncIterator[Event]):
         self._pending: collections.deque = collections.deque()
         self._ready = asyncio.Event()
         self._task = asyncio.create_task(self._pump(events))
+        self._finished = False  # the Finished event was handed out
 
     async def next(self) -> Event | None:
-        """The next event (all deltas produced since the last call, as one), None after the last.
+        """The next event (all deltas produced since the last call, as one), None after
+        ``Finished`` (or after the last event of a pipeline that ended without one).
 
         Raises:
             RunCancelled: if :meth:`cancel` stopped the run.
             Exception: the pipeline's own error.
         """
+        if self._finished:
+            return None
         while not self._pending:
             self._ready.clear()
             await self._ready.wait()
@@ -49,17 +60,32 @@ class PipelineRun:
             raise RunCancelled
         if isinstance(item, BaseException):
             raise item
+        if isinstance(item, Finished):
+            self._finished = True
         return None if item is _END else item
 
     def cancel(self) -> None:
-        """Stops the pipeline; synchronous, so any way out of a front can call it."""
-        self._task.cancel()
+        """Stops the pipeline; synchronous, so any way out of a front can call it. A run whose
+        ``Finished`` was handed out is left to wind down instead: its reply is complete."""
+        if self._finished:
+            self._wind_down()
+        else:
+            self._task.cancel()
 
     async def close(self) -> None:
-        """Stops the pipeline and waits until its clean-up (lease and KV release) is done."""
+        """Stops the pipeline and waits until its clean-up (lease and KV release) is done; a run
+        whose ``Finished`` was handed out winds down in the background instead."""
+        if self._finished:
+            self._wind_down()
+            return
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
+
+    def _wind_down(self) -> None:
+        if not self._task.done():
+            _winding_down.add(self._task)
+            self._task.add_done_callback(_winding_down.discard)
 
     async def _pump(self, events: AsyncIterator[Event]) -> None:
         try:

@@ -29,6 +29,7 @@ _tracer = telemetry.tracer(__name__)
 
 _RELEASE_TIMEOUT_S = 5.0
 _RELEASE_ATTEMPTS = 2  # a KV release tries another decode instance once
+_STATUS_AFTER_END_S = 10.0  # how long a decode call is read for its status after its last message
 
 
 def time_left(deadline: float | None) -> float | None:
@@ -175,29 +176,26 @@ class DecodeClient:
 
         After the last message the call is still read to its status rather than cancelled: a
         call cancelled there ends on the decode as CANCELLED, not as the success it was (its
-        handler is cut off before it finishes, and its request count misses it)."""
+        handler is cut off before it finishes, and its request count misses it). The gateway's
+        client has its reply by then (``gateway.run``), so this wait is bounded but unhurried."""
         address = self.pool.pick(avoid)
-        ended = False
         with self.pool.busy(address) as stub, _tracer.start_as_current_span("decode", kind=SpanKind.CLIENT):
             call = stub.Decode(wire.decode_request_to_wire(request), timeout=time_left(deadline), metadata=telemetry.trace_metadata())
             try:
                 async for response in call:
-                    if ended:
-                        continue  # a decode sends nothing after its last message; were it to, it is no part of the reply
                     if response.token_ids:
                         yield DecodeStep(list(response.token_ids), response.text, response.prompt_token_count)
                     if response.finish_reason:
-                        ended = True
                         yield DecodeEnd(wire.finish_reason_from_wire(response.finish_reason), response.prompt_token_count)
+                        break
+                else:
+                    raise StageFailed("decode", address, f"decode {address} ended its stream without a finish reason")
             except grpc.aio.AioRpcError as exc:
-                if not ended:
-                    raise _stage_error(self.pool, address, exc, deadline) from exc
-                # The reply is complete and delivered: a status lost after it fails nothing.
-                logger.warning("decode %s: the call failed after its last message: %s %s", address, exc.code().name, exc.details())
-            finally:
-                call.cancel()  # no-op once done
-        if not ended:
-            raise StageFailed("decode", address, f"decode {address} ended its stream without a finish reason")
+                raise _stage_error(self.pool, address, exc, deadline) from exc
+            except BaseException:
+                call.cancel()
+                raise
+            await _read_to_status(call, address)
 
     async def release_kv(self, request_id: str, handoff: KvHandoff, avoid: frozenset[str] = frozenset()) -> None:
         """Frees a prefill's KV that no decode will read, through any live decode instance, so it
@@ -216,6 +214,22 @@ class DecodeClient:
                 problem = f"decode {address}: {exc.code().name} {exc.details()}"
                 tried.add(address)
         logger.warning("request %s: could not release its prefill KV (the prefill's KV lease frees it): %s", request_id, problem)
+
+
+async def _read_to_status(call: grpc.aio.UnaryStreamCall, address: str) -> None:
+    """Waits for a decode call's status after its last message, for at most
+    ``_STATUS_AFTER_END_S``. A decode sends nothing more; were it to, it is no part of the
+    reply. The reply is complete and delivered, so a status that fails now fails nothing."""
+    try:
+        async with asyncio.timeout(_STATUS_AFTER_END_S):
+            async for _ in call:
+                pass
+    except grpc.aio.AioRpcError as exc:
+        logger.warning("decode %s: the call failed after its last message: %s %s", address, exc.code().name, exc.details())
+    except TimeoutError:
+        logger.warning("decode %s: no status %.0f s after the last message; the call is cancelled", address, _STATUS_AFTER_END_S)
+    finally:
+        call.cancel()  # a no-op once the call is done
 
 
 def _remap_item_fields(error: EpdError, paths: list[str]) -> EpdError:

@@ -70,3 +70,46 @@ async def test_a_run_merges_the_deltas_its_reader_has_not_taken_and_reports_its_
     with pytest.raises(RunCancelled):
         await run.next()
     await run.close()
+
+
+async def test_a_run_ends_its_front_at_the_finished_event_and_winds_down_behind_it():
+    """What a pipeline does after its Finished event (the decode call read to its status) is no
+    part of the reply: the front's stream ends at once, and neither close nor cancel cuts the
+    pipeline's tail short."""
+    from epd.domain import FinishReason
+    from gateway.pipeline import Delta, Finished, Timings, Usage
+    from gateway.run import PipelineRun
+
+    finished = Finished(FinishReason.STOP, Usage(3, 1, 0), Timings())
+    tail_may_end = asyncio.Event()
+    tail: list[str] = []
+
+    async def with_a_tail():
+        yield Delta([5], "y")
+        yield finished
+        try:
+            await tail_may_end.wait()
+            tail.append("completed")
+        except asyncio.CancelledError:
+            tail.append("cancelled")
+            raise
+
+    for stop in ("close", "cancel"):
+        tail.clear()
+        tail_may_end.clear()
+        run = PipelineRun(with_a_tail())
+        assert await run.next() == Delta([5], "y")
+        assert await run.next() == finished
+        assert await asyncio.wait_for(run.next(), 1) is None  # not waiting for the tail
+        if stop == "close":
+            await asyncio.wait_for(run.close(), 1)
+        else:
+            run.cancel()
+        await asyncio.sleep(0.05)
+        assert tail == []
+        tail_may_end.set()
+        for _ in range(100):
+            if tail:
+                break
+            await asyncio.sleep(0.01)
+        assert tail == ["completed"], stop
