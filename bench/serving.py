@@ -4,7 +4,9 @@
   sends the original media to prefill and decode, which decode it and re-run the processor for
   the layout; embeddings still come over NIXL). Same services, same requests, same arrivals.
 - **Topologies:** monolithic vs E+PD vs E/P/D at the same offered load.
-- **Gateway overhead:** client-observed E2EL minus the gateway's timed stage calls.
+- **Gateway overhead:** client-observed E2EL minus the gateway's timed stage calls; and of it,
+  what the gateway counts inside itself (its Finished timings: total minus the stage calls), the
+  rest being the client's hop to it (sending it the media) and the client's own reading.
 - **Resources:** peak RSS per service (process tree).
 - **End state:** what must be back to zero once the load is gone: the encoder's arena leases
   (``epd_arena_leases``), every engine's KV cache usage and requests, and the embedding loads that
@@ -214,6 +216,7 @@ def build_payload(runs: dict[str, dict[str, list[dict]]], config: ServingConfig,
                 "e2el_ms_p99": _median_of(runs[arm][load], "e2el_ms", "p99"),
                 "gateway_overhead_ms_median": _median_of(runs[arm][load], "gateway_overhead_ms", "median"),
                 "gateway_overhead_ms_p99": _median_of(runs[arm][load], "gateway_overhead_ms", "p99"),
+                "gateway_own_ms_median": _median_of(runs[arm][load], "gateway_own_ms", "median"),
                 "stage_ms_median": {stage: _median_of(runs[arm][load], "stage_ms", stage, "median") for stage in STAGES},
             }
             for load in LOADS

@@ -34,6 +34,11 @@ TTFT_SECONDS = Histogram("epd_ttft_seconds", "Time to first token, seen by the g
 TPOT_SECONDS = Histogram("epd_tpot_seconds", "Mean time per output token after the first, per request", buckets=_LATENCY_BUCKETS)
 ITL_SECONDS = Histogram("epd_itl_seconds", "Inter-token latency between streamed deltas", buckets=_LATENCY_BUCKETS)
 E2EL_SECONDS = Histogram("epd_e2el_seconds", "End-to-end request latency, seen by the gateway", buckets=_LATENCY_BUCKETS)
+GATEWAY_OWN_SECONDS = Histogram(
+    "epd_gateway_own_seconds",
+    "Per request, the gateway's time outside its stage calls (parsing, hashing, rendering, routing, retry back-off)",
+    buckets=(0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1),
+)
 IN_FLIGHT = Gauge("epd_requests_in_flight", "Requests being served", ["service"])
 STAGE_INSTANCE_UP = Gauge(
     "epd_stage_instance_up", "1 while the gateway routes to a stage instance, 0 while it is down or ejected", ["stage", "address"]

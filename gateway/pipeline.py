@@ -123,6 +123,7 @@ class RequestClock:
     def finish(self) -> Timings:
         self.timings = self.snapshot()
         telemetry.E2EL_SECONDS.observe(self.timings.total)
+        telemetry.GATEWAY_OWN_SECONDS.observe(self.timings.total - self.timings.encode - self.timings.prefill - self.timings.decode)
         if self.tokens > 1:
             telemetry.TPOT_SECONDS.observe((self.timings.total - self.timings.time_to_first_token) / (self.tokens - 1))
         for stage in ("encode", "prefill", "decode"):

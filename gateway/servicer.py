@@ -35,6 +35,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         """
         if self.pipeline is None:
             raise Unavailable("gateway is still starting")
+        # The request's counts and times, from its arrival: the pipeline keeps them here, so an
+        # aborted stream still reports them.
+        clock = RequestClock()
         # Parsing hashes every media item: megabytes of work for a large request, which must not
         # stall other streams.
         generate = await run_sized(request.ByteSize(), INLINE_MESSAGE_BYTES, wire.generate_request_from_wire, request)
@@ -42,9 +45,6 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             raise AlreadyExists(f"request_id {generate.request_id!r} is already in flight")
         remaining = context.time_remaining()
         deadline = time.monotonic() + remaining if remaining is not None else None
-        # The pipeline keeps the request's counts and times in the clock, so an aborted stream
-        # still reports them.
-        clock = RequestClock()
         run = PipelineRun(self.pipeline.generate(generate, deadline, clock))
         self._in_flight[generate.request_id] = run
         try:

@@ -26,6 +26,7 @@ SUMMARY_KEYS = {
     "e2el_ms_p99",
     "gateway_overhead_ms_median",
     "gateway_overhead_ms_p99",
+    "gateway_own_ms_median",
     "stage_ms_median",
 }
 
@@ -69,6 +70,11 @@ async def test_serving_smoke_run_has_the_report_schema(family_stack, family, tmp
             (only_run,) = doc["runs"][arm][load]
             assert only_run["completed"] == workload.num_requests and only_run["failed"] == 0
     assert doc["summary"]["epd"]["poisson"]["stage_ms_median"]["prefill"] > 0
+    for arm in ("epd", "epd-combined", "epd-forward-media"):
+        # Inside the gateway is part of what its client sees.
+        for load in LOADS:
+            summary = doc["summary"][arm][load]
+            assert 0 < summary["gateway_own_ms_median"] <= summary["gateway_overhead_ms_median"], (arm, load, summary)
     assert doc["ratios"]["metadata_only_over_media_forwarding"]["saturation"]["request_throughput"] > 0
 
     end = doc["end_state"]
@@ -83,7 +89,7 @@ async def test_serving_smoke_run_has_the_report_schema(family_stack, family, tmp
     report = write_report(tmp_path, out=tmp_path / "BENCHMARKS.md").read_text()
     heading = f"## Serving ({workload.modality}, {model_family})"
     assert heading in report and "Command: `pytest smoke`" in report and "| epd-forward-media | saturation |" in report
-    assert "End state (all back to zero)" in report
+    assert "End state (all back to zero)" in report and "Of that overhead, the gateway's own time" in report
 
 
 @pytest.mark.parametrize("modality", ["image", "video", "audio"])

@@ -50,6 +50,21 @@ async def test_health_reflection_and_metrics(family_stack):
             assert not [n for n in names if ":" in n.partition("{")[0]]  # label values may hold host:port
 
 
+async def test_the_gateway_counts_its_own_time_outside_the_stages(family_stack):
+    """epd_gateway_own_seconds observes, per request, what the reply's timings give as the total
+    (from the call's arrival, parsing included) minus the stage calls."""
+    gateway = family_stack.gateways["epd"]
+    before = scrape(gateway.metrics_port)
+    png = synthetic_image_png(120, 80, seed=63)
+    timings = (await generate(family_stack.gateway_stub("epd"), chat_request([(png, "image/png"), "Hi"], max_tokens=4), timeout=120)).finished.timings
+    after = scrape(gateway.metrics_port)
+    total = timings.total.ToNanoseconds() / 1e9
+    own = total - sum(getattr(timings, stage).ToNanoseconds() / 1e9 for stage in ("encode", "prefill", "decode"))
+    assert 0 < own < total
+    assert after["epd_gateway_own_seconds_count"] == before.get("epd_gateway_own_seconds_count", 0.0) + 1
+    assert after["epd_gateway_own_seconds_sum"] - before.get("epd_gateway_own_seconds_sum", 0.0) == pytest.approx(own, abs=1e-5)
+
+
 async def test_one_trace_spans_every_hop(family_stack, otlp_receiver):
     """W3C trace context crosses gateway -> encoder -> prefill -> decode: one trace id."""
     png = synthetic_image_png(130, 100, seed=61)
