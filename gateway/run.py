@@ -35,6 +35,13 @@ _CANCELLED = object()
 _winding_down: set[asyncio.Task] = set()
 
 
+async def wait_for_wind_downs() -> None:
+    """Waits for the runs still winding down, so a gateway that stops lets each read its decode
+    call to its status first (each wait is bounded: ``gateway.stages._read_to_status``)."""
+    if _winding_down:
+        await asyncio.wait(set(_winding_down))
+
+
 class PipelineRun:
     def __init__(self, events: AsyncIterator[Event]):
         self._pending: collections.deque = collections.deque()

@@ -17,6 +17,7 @@ from epd.server import GrpcHost, ServerConfig, run_service
 from epd.v1 import decode_pb2, decode_pb2_grpc, encoder_pb2, encoder_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from gateway.pipeline import DisaggregatedPipeline, Mode, MonolithicPipeline
 from gateway.router import RetryPolicy, StagePool
+from gateway.run import wait_for_wind_downs
 from gateway.servicer import GatewayServicer
 from gateway.stages import DecodeClient, EncoderClient, PrefillClient
 
@@ -121,6 +122,7 @@ async def serve(config: GatewayConfig, server: ServerConfig, engine_config: Engi
         if front is not None:
             await front.stop()
         if servicer.pipeline is not None:
+            await wait_for_wind_downs()
             await servicer.pipeline.close()
 
     await run_service(host, engine, on_ready=on_ready, on_stop=close_pipeline)

@@ -78,7 +78,7 @@ async def test_a_run_ends_its_front_at_the_finished_event_and_winds_down_behind_
     pipeline's tail short."""
     from epd.domain import FinishReason
     from gateway.pipeline import Delta, Finished, Timings, Usage
-    from gateway.run import PipelineRun
+    from gateway.run import PipelineRun, wait_for_wind_downs
 
     finished = Finished(FinishReason.STOP, Usage(3, 1, 0), Timings())
     tail_may_end = asyncio.Event()
@@ -108,8 +108,5 @@ async def test_a_run_ends_its_front_at_the_finished_event_and_winds_down_behind_
         await asyncio.sleep(0.05)
         assert tail == []
         tail_may_end.set()
-        for _ in range(100):
-            if tail:
-                break
-            await asyncio.sleep(0.01)
+        await asyncio.wait_for(wait_for_wind_downs(), 1)  # what a stopping gateway waits for
         assert tail == ["completed"], stop

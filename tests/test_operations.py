@@ -100,6 +100,8 @@ async def test_sigterm_drains_in_flight_streams_and_refuses_new_ones(family_stac
     args = gateway_args(
         family_stack.model, "epd-combined", encoders=[family_stack.encoder.address], decodes=[family_stack.combined.address], extra=["--drain-grace-s", "60"]
     )
+    decode_calls = "epd_requests_total{{code={},method=Decode,service=decode}}"
+    before = scrape(family_stack.combined.metrics_port)
     with family_stack.stack.temporary("gateway-draining", args) as gateway:
         stub = gateway_stub(gateway.address)
         request = chat_request([(synthetic_image_png(120, 120, seed=71), "image/png"), "Drain."], max_tokens=32, min_tokens=32)
@@ -117,6 +119,11 @@ async def test_sigterm_drains_in_flight_streams_and_refuses_new_ones(family_stac
             last = response
         assert last.HasField("finished") and tokens == 32
         assert gateway.process.wait(60) == 0
+    # The stopping gateway read the drained stream's decode call to its end: a success there too.
+    ok = decode_calls.format("OK")
+    assert await wait_for_metric(family_stack.combined.metrics_port, ok, before.get(ok, 0.0) + 1, timeout=10, absent=0.0) == before.get(ok, 0.0) + 1
+    cancelled = decode_calls.format("CANCELLED")
+    assert scrape(family_stack.combined.metrics_port).get(cancelled, 0.0) == before.get(cancelled, 0.0)
 
 
 async def test_readiness_follows_the_engine(family_stack):
