@@ -56,9 +56,7 @@ class PromptRenderer:
         Raises:
             InvalidArgument: the chat is over a size limit.
         """
-        size = chat_text_bytes(messages)
-        if self.max_prompt_bytes and size > self.max_prompt_bytes:
-            raise InvalidArgument.for_field("messages", f"hold {size} bytes of text, over the gateway's limit of {self.max_prompt_bytes} (--max-prompt-bytes)")
+        self.check_size(messages)
         texts: list[str] = []
 
         def content(part) -> dict:
@@ -80,6 +78,16 @@ class PromptRenderer:
         if self.max_prompt_tokens and len(ids) > self.max_prompt_tokens:
             raise InvalidArgument.for_field("messages", f"render to {len(ids)} prompt tokens before any media, over the model's context of {self.max_prompt_tokens}")
         return ids
+
+    def check_size(self, messages: Sequence[ChatMessage]) -> None:
+        """Refuses a chat whose text is over ``max_prompt_bytes``; cheap (no tokenizing).
+
+        Raises:
+            InvalidArgument: the chat is over the limit.
+        """
+        size = chat_text_bytes(messages)
+        if self.max_prompt_bytes and size > self.max_prompt_bytes:
+            raise InvalidArgument.for_field("messages", f"hold {size} bytes of text, over the gateway's limit of {self.max_prompt_bytes} (--max-prompt-bytes)")
 
     def render_items(self, modalities: Sequence[Modality]) -> list[int]:
         """A prompt holding one placeholder per item, in order, and nothing to generate from."""

@@ -23,7 +23,7 @@ import enum
 import logging
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 
 from epd import telemetry, wire
 from epd.domain import EncodedItem, EngineRequest, FinishReason, GenerateRequest, KvHandoff
@@ -181,11 +181,14 @@ class DisaggregatedPipeline:
         failure ends the stream, saying how many tokens were sent."""
         clock = clock or RequestClock()
         check_media(request, self.limits)
-        prompt_ids = await self.renderer.render_on_loop(request.messages)
+        self.renderer.check_size(request.messages)
+        prompt = asyncio.ensure_future(self._render(request))
+        # Read even when an attempt fails before it would: an error nobody reads is logged.
+        prompt.add_done_callback(lambda done: done.cancelled() or done.exception())
         avoid: set[str] = set()
         for attempt in range(1, self.retry.max_attempts + 1):
             try:
-                async with contextlib.aclosing(self._attempt(request, prompt_ids, clock, frozenset(avoid), deadline)) as events:
+                async with contextlib.aclosing(self._attempt(request, prompt, clock, frozenset(avoid), deadline)) as events:
                     async for event in events:
                         yield event
                 return
@@ -205,8 +208,18 @@ class DisaggregatedPipeline:
                 telemetry.RETRIES.labels(stage=stage).inc()
                 await asyncio.sleep(delay)
 
+    def _render(self, request: GenerateRequest) -> Awaitable[list[int]]:
+        """The prompt's token ids. With media they are first needed once the encoder has
+        answered, so they render meanwhile, in a thread: a render on the event loop would run
+        before the encode call goes out (grpc.aio sends it from a task of its own). A chat that
+        fails to render (over the context) is refused once its encode returns, not by cancelling
+        it: an Encode cancelled after its engine published would leave the leases to their TTL."""
+        if request.media:
+            return asyncio.to_thread(self.renderer.render, request.messages)
+        return self.renderer.render_on_loop(request.messages)
+
     async def _attempt(
-        self, request: GenerateRequest, prompt_ids: list[int], clock: RequestClock, avoid: frozenset[str], deadline: float | None
+        self, request: GenerateRequest, prompt: asyncio.Future, clock: RequestClock, avoid: frozenset[str], deadline: float | None
     ) -> AsyncIterator[Event]:
         leases = Leases()
         handoff: KvHandoff | None = None
@@ -224,7 +237,7 @@ class DisaggregatedPipeline:
                 # vLLM 0.32 cannot mix metadata-only and raw items in one prompt (its processor
                 # then misses the metadata-only ones), so one item that needs its media sends all.
                 items = [dataclasses.replace(item, forwarded_media=media) for item, media in zip(items, request.media, strict=True)]
-            engine_request = EngineRequest(request.request_id, tuple(prompt_ids), tuple(items), request.sampling)
+            engine_request = EngineRequest(request.request_id, tuple(await prompt), tuple(items), request.sampling)
             if self.prefills is not None and not self._prefill_on_decode(request.request_id):
                 started = time.perf_counter()
                 handoff, prefill_address = await self.prefills.prefill(engine_request, deadline, avoid)

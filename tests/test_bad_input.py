@@ -59,6 +59,8 @@ BAD_REQUESTS = {
     "frames_fps_1e-300": (lambda: _frames(1e-300), "messages[0].parts[0].video.frames.fps"),
     "video_sampling_fps_nan": (lambda: _video_sampling_fps(float("nan")), "messages[0].parts[0].video.sampling.fps"),
     "prompt_over_the_context": (lambda: chat_request([OVER_CONTEXT], max_tokens=8), "messages"),
+    # Rendered while its image encodes: refused once the encode returns, its leases released.
+    "prompt_over_the_context_with_an_image": (lambda: chat_request([(PNG, "image/png"), OVER_CONTEXT], max_tokens=8), "messages"),
     "prompt_over_max_prompt_bytes": (lambda: chat_request([OVER_MAX_BYTES], max_tokens=8), "messages"),
 }
 
@@ -75,17 +77,20 @@ async def test_bad_request_gets_invalid_argument_with_field(family_stack, mode, 
 
 
 async def test_oversized_prompts_are_refused_while_a_concurrent_request_is_served(family_stack):
-    """Long prompts are refused before any stage runs, and tokenizing them never stalls the
-    event loop other streams share: a valid request sent alongside gets its exact tokens."""
+    """Long prompts are refused (before any stage runs, or, rendered beside their media's
+    encode, once it returns), and tokenizing them never stalls the event loop other streams
+    share: a valid request sent alongside gets its exact tokens. No lease is left behind."""
     valid = chat_request([(PNG, "image/png"), "Describe."], max_tokens=16, min_tokens=16)
     oracle = await generate(family_stack.gateway_stub("monolithic"), valid, timeout=120)
     stub = family_stack.gateway_stub("epd")
-    oversized = [chat_request([OVER_CONTEXT], max_tokens=8), chat_request([OVER_MAX_BYTES], max_tokens=8)] * 2
+    over_with_image = chat_request([(synthetic_image_png(200, 150, seed=3), "image/png"), OVER_CONTEXT], max_tokens=8)
+    oversized = [chat_request([OVER_CONTEXT], max_tokens=8), chat_request([OVER_MAX_BYTES], max_tokens=8), over_with_image] * 2
     outcomes = await asyncio.gather(generate(stub, valid, timeout=120), *(generate(stub, r, timeout=60) for r in oversized), return_exceptions=True)
     assert outcomes[0].token_ids == oracle.token_ids
     for outcome in outcomes[1:]:
         assert isinstance(outcome, grpc.aio.AioRpcError) and outcome.code() == grpc.StatusCode.INVALID_ARGUMENT, outcome
         assert violations(outcome) == ["messages"], outcome.details()
+    assert await wait_for_metric(family_stack.encoder.metrics_port, "epd_arena_leases", 0.0, timeout=30) == 0.0
 
 
 async def test_user_text_cannot_inject_chat_control_tokens(family_stack):

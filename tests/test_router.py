@@ -284,6 +284,9 @@ class _FirstDecodeFails:
 
 
 class _Renderer:
+    def check_size(self, messages) -> None:
+        pass
+
     async def render_on_loop(self, messages) -> list[int]:
         return [1, 2, 3]
 
