@@ -31,15 +31,16 @@ class RunCancelled(Exception):
 _END = object()
 _CANCELLED = object()
 
-# Runs winding down after their Finished event: the loop keeps only weak references to tasks.
-_winding_down: set[asyncio.Task] = set()
+# Every run's task until it ends: the loop keeps only weak references to tasks, and a run whose
+# front has gone winds down on its own.
+_running: set[asyncio.Task] = set()
 
 
 async def wait_for_wind_downs() -> None:
-    """Waits for the runs still winding down, so a gateway that stops lets each read its decode
-    call to its status first (each wait is bounded: ``gateway.stages._read_to_status``)."""
-    if _winding_down:
-        await asyncio.wait(set(_winding_down))
+    """Waits for the runs still going, so a gateway that stops lets each read its decode call to
+    its status first (each wait is bounded: ``gateway.stages._read_to_status``)."""
+    if _running:
+        await asyncio.wait(set(_running))
 
 
 class PipelineRun:
@@ -47,6 +48,8 @@ class PipelineRun:
         self._pending: collections.deque = collections.deque()
         self._ready = asyncio.Event()
         self._task = asyncio.create_task(self._pump(events))
+        _running.add(self._task)
+        self._task.add_done_callback(_running.discard)
         self._finished = False  # the Finished event was handed out
 
     async def next(self) -> Event | None:
@@ -74,25 +77,17 @@ class PipelineRun:
     def cancel(self) -> None:
         """Stops the pipeline; synchronous, so any way out of a front can call it. A run whose
         ``Finished`` was handed out is left to wind down instead: its reply is complete."""
-        if self._finished:
-            self._wind_down()
-        else:
+        if not self._finished:
             self._task.cancel()
 
     async def close(self) -> None:
         """Stops the pipeline and waits until its clean-up (lease and KV release) is done; a run
         whose ``Finished`` was handed out winds down in the background instead."""
         if self._finished:
-            self._wind_down()
             return
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
-
-    def _wind_down(self) -> None:
-        if not self._task.done():
-            _winding_down.add(self._task)
-            self._task.add_done_callback(_winding_down.discard)
 
     async def _pump(self, events: AsyncIterator[Event]) -> None:
         try:
