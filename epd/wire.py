@@ -286,6 +286,21 @@ def media_items_from_wire(items) -> list[MediaInput]:
     return result
 
 
+MAX_RELEASE_KEY_CHARS = 64
+
+
+def release_key_from_wire(key: str, field: str = "release_key") -> str:
+    """An EncodeRequest's release key; bounded, since the encoder keeps it until its leases end."""
+    if len(key) > MAX_RELEASE_KEY_CHARS:
+        raise InvalidArgument.for_field(field, f"is {len(key)} characters; at most {MAX_RELEASE_KEY_CHARS}")
+    return key
+
+
+def release_keys_from_wire(keys) -> list[str]:
+    """A ReleaseEmbeddingsRequest's release keys."""
+    return [release_key_from_wire(key, f"release_keys[{index}]") for index, key in enumerate(keys)]
+
+
 # ---- metadata and handles ---------------------------------------------------------------
 
 

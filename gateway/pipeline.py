@@ -212,8 +212,8 @@ class DisaggregatedPipeline:
         """The prompt's token ids. With media they are first needed once the encoder has
         answered, so they render meanwhile, in a thread: a render on the event loop would run
         before the encode call goes out (grpc.aio sends it from a task of its own). A chat that
-        fails to render (over the context) is refused once its encode returns, not by cancelling
-        it: an Encode cancelled after its engine published would leave the leases to their TTL."""
+        fails to render (over the context) is refused once its encode returns, and the attempt
+        releases its leases."""
         if request.media:
             return asyncio.to_thread(self.renderer.render, request.messages)
         return self.renderer.render_on_loop(request.messages)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator
@@ -19,7 +20,7 @@ import grpc
 from opentelemetry.trace import SpanKind
 
 from epd import telemetry, wire
-from epd.domain import EncodedItem, EngineRequest, FinishReason, KvHandoff, MediaInput, NixlLocation
+from epd.domain import EncodedItem, EngineRequest, FinishReason, KvHandoff, MediaInput
 from epd.errors import DeadlineExceeded, EpdError, FieldViolation, InvalidArgument, Unavailable, from_rpc_error
 from epd.v1 import decode_pb2, encoder_pb2
 from gateway.router import StagePool
@@ -63,14 +64,17 @@ def _stage_error(pool: StagePool, address: str, exc: grpc.aio.AioRpcError, deadl
 
 
 class Leases:
-    """Embedding leases a request was granted, by encoder address, until a consumer reads them."""
+    """The release keys of a request's Encode calls, by encoder address. A key frees every lease
+    its call was granted, even when the reply never arrived (a call cancelled, or past its
+    deadline, as the encoder answered), which no lease id could."""
 
     def __init__(self) -> None:
         self.by_encoder: dict[str, list[str]] = defaultdict(list)
 
-    def add(self, address: str, item: EncodedItem) -> None:
-        if isinstance(item.embedding, NixlLocation):
-            self.by_encoder[address].append(item.embedding.lease_id)
+    def new_key(self, address: str) -> str:
+        key = secrets.token_hex(16)
+        self.by_encoder[address].append(key)
+        return key
 
 
 class EncoderClient:
@@ -81,7 +85,7 @@ class EncoderClient:
         self, request_id: str, media: list[MediaInput], paths: list[str], leases: Leases, deadline: float | None, avoid: frozenset[str] = frozenset()
     ) -> list[EncodedItem]:
         """Encodes the items over the encoder instances (one call per chosen instance, in
-        parallel), in order; every lease granted is recorded in ``leases``, even on failure.
+        parallel), in order; every call's release key is recorded in ``leases`` before it goes out.
         Each item goes to the encoder that last served it, else where its content hash points
         (that encoder's cache may hold its output already). Instances in ``avoid`` (they failed this request before) are picked only as a
         last resort."""
@@ -91,7 +95,8 @@ class EncoderClient:
         results: list[EncodedItem | None] = [None] * len(media)
 
         async def call(address: str, indices: list[int]) -> None:
-            message = encoder_pb2.EncodeRequest(request_id=request_id, items=[wire.media_item_to_wire(media[i]) for i in indices])
+            items = [wire.media_item_to_wire(media[i]) for i in indices]
+            message = encoder_pb2.EncodeRequest(request_id=request_id, items=items, release_key=leases.new_key(address))
             with self.pool.busy(address) as stub, _tracer.start_as_current_span("encode", kind=SpanKind.CLIENT):
                 try:
                     response = await stub.Encode(message, timeout=time_left(deadline), metadata=telemetry.trace_metadata())
@@ -99,11 +104,10 @@ class EncoderClient:
                     raise _remap_item_fields(_stage_error(self.pool, address, exc, deadline), [paths[i] for i in indices]) from exc
             for i, item in zip(indices, wire.encoded_items_from_wire(response.items), strict=True):
                 results[i] = item
-                leases.add(address, item)
                 # Its arena holds the output now, and answers a repeat without its engine.
                 self.pool.record_holder(media[i].content_hash, address)
 
-        # Let every call finish before raising, so that each lease granted is recorded.
+        # Let every call finish before raising, so that none is left running for a request that ended.
         outcomes = await asyncio.gather(*(call(address, indices) for address, indices in groups.items()), return_exceptions=True)
         for outcome in outcomes:
             if isinstance(outcome, BaseException):
@@ -112,12 +116,12 @@ class EncoderClient:
 
     async def release(self, leases: Leases) -> None:
         """Frees leases no consumer will read, so they need not wait for their TTL."""
-        for address, lease_ids in leases.by_encoder.items():
+        for address, keys in leases.by_encoder.items():
             try:
-                await self.pool.stub(address).ReleaseEmbeddings(encoder_pb2.ReleaseEmbeddingsRequest(lease_ids=lease_ids), timeout=_RELEASE_TIMEOUT_S)
+                await self.pool.stub(address).ReleaseEmbeddings(encoder_pb2.ReleaseEmbeddingsRequest(release_keys=keys), timeout=_RELEASE_TIMEOUT_S)
             except (grpc.aio.AioRpcError, EpdError) as exc:  # EpdError: the encoder has left the pool
                 reason = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else exc.message
-                logger.warning("could not release %d leases on %s (they expire by TTL): %s", len(lease_ids), address, reason)
+                logger.warning("could not release the leases of %d calls on %s (they expire by TTL): %s", len(keys), address, reason)
 
 
 _TEXT_PREFIX_TOKENS = 64

@@ -1,11 +1,14 @@
 """The encoder service under pressure: concurrent requests give the same results as alone, a
 full arena holds requests back and then refuses them with RESOURCE_EXHAUSTED and RetryInfo,
-explicit release frees leases, and an item the arena can never hold is INVALID_ARGUMENT.
+explicit release frees leases, a call given up on leaves no lease behind, and an item the arena
+can never hold is INVALID_ARGUMENT.
 (That the encoder reads only tower shards is in test_data_path.)"""
 
 from __future__ import annotations
 
 import asyncio
+import statistics
+import time
 
 import grpc
 import pytest
@@ -18,6 +21,7 @@ from tests.helpers import violations, wait_for_metric
 
 SLOTS = 4
 SLOT_BYTES = 16384  # a 112x112 image is 16 rows x 128 floats = 8 KiB plus a 64-byte header
+CALLS_GIVEN_UP = 120
 
 
 def _encode_request(seed: int) -> encoder_pb2.EncodeRequest:
@@ -71,3 +75,51 @@ async def test_concurrency_arena_exhaustion_and_release(small_encoder, family_st
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stub.Encode(encoder_pb2.EncodeRequest(items=[big]), timeout=60)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "items[0]" in violations(info.value), info.value.details()
+
+
+async def test_an_encode_given_up_on_leaves_no_lease_behind(small_encoder):
+    """Calls whose deadlines pass at any point of their run leave no lease to its 120 s TTL:
+
+    - while it encodes: the engine request is aborted and frees what it leased;
+    - after the engine published, its output on the way to a reply that will not be sent: the
+      producer is told, and frees the leases;
+    - after the reply was sent, on its way to a client whose deadline passed first (the
+      server's starts a transit later): the client frees the leases by the call's release key.
+
+    Deadlines are spread over the whole of a call, so that some fall in the last two windows of
+    a few milliseconds each."""
+    async with grpc.aio.insecure_channel(small_encoder.address) as channel:
+        stub = encoder_pb2_grpc.EncoderServiceStub(channel)
+
+        async def release(reply: encoder_pb2.EncodeResponse) -> None:
+            await stub.ReleaseEmbeddings(encoder_pb2.ReleaseEmbeddingsRequest(lease_ids=[reply.items[0].embedding.nixl.lease_id]))
+
+        durations = []
+        for seed in range(200, 206):  # the first warms the fresh engine up
+            started = time.perf_counter()
+            reply = await stub.Encode(_encode_request(seed), timeout=60)
+            durations.append(time.perf_counter() - started)
+            await release(reply)
+        took = statistics.median(durations[1:])
+        received = given_up = 0
+        for index in range(CALLS_GIVEN_UP):
+            request = _encode_request(300 + index)
+            request.release_key = f"key-{index}"
+            try:
+                reply = await stub.Encode(request, timeout=took * (0.4 + 0.8 * index / CALLS_GIVEN_UP))
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED, exc.details()
+                await stub.ReleaseEmbeddings(encoder_pb2.ReleaseEmbeddingsRequest(release_keys=[request.release_key]))
+                given_up += 1
+            else:
+                await release(reply)
+                received += 1
+        assert received and given_up, (received, given_up, took)
+        assert await wait_for_metric(small_encoder.metrics_port, "epd_arena_leases", 0.0) == 0.0
+
+        # A release key over the bound is refused, naming the field.
+        request = _encode_request(1)
+        request.release_key = "k" * 65
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await stub.Encode(request, timeout=60)
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and violations(info.value) == ["release_key"], info.value.details()

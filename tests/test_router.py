@@ -244,12 +244,12 @@ async def test_releasing_leases_on_an_encoder_that_left_is_logged_not_raised(cap
 
     pool = _pool(["127.0.0.1:1"])
     leases = Leases()
-    leases.by_encoder["127.0.0.9:50051"].append("lease-of-a-gone-encoder")
+    leases.new_key("127.0.0.9:50051")
     try:
         await EncoderClient(pool).release(leases)
     finally:
         await pool.close()
-    assert "could not release 1 leases on 127.0.0.9:50051" in caplog.text
+    assert "could not release the leases of 1 calls on 127.0.0.9:50051" in caplog.text
 
 
 class _FirstDecodeFails:

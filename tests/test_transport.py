@@ -27,7 +27,8 @@ from epd.domain import InlineEmbedding, NixlLocation
 from epd.errors import InvalidArgument
 from epd.ports import free_port
 from epd.transport.arena import EmbeddingArena, SharedCounters
-from epd.transport.connector_desk import ConnectorDeskClient, LeaseHeld, open_desk
+from epd.transport.claims import ClaimLedger
+from epd.transport.connector_desk import ConnectorDeskClient, LeaseHeld, is_engine_id_of, open_desk
 from epd.transport.ec_config import ConnectorConfig
 from epd.transport.ec_consumer import ConsumerScheduler
 from epd.transport.ec_params import ExpectedItem, expected_to_params
@@ -808,3 +809,22 @@ def test_the_connector_desk_answers_its_questions_and_its_client_survives_a_rest
         assert asked == [["held-1", "held-22"], ["held-1", "new"], ["held-1"]]
     finally:
         client.close()
+
+
+def test_a_claim_given_up_on_frees_its_leases_whichever_side_comes_first():
+    ledger = ClaimLedger(matches=is_engine_id_of)
+    # Granted first (vLLM's id for the service's "r1"), then given up on: the grant is handed back.
+    assert ledger.granted("r1-0123abcd", ["lease-a", "lease-b"])
+    assert ledger.granted("r10-0123abcd", ["lease-c"])
+    assert ledger.give_up("r1") == ["lease-a", "lease-b"]
+    assert ledger.give_up("r1") == []  # once
+    # Given up on first: the grant is refused (free its leases at once), once.
+    assert ledger.give_up("r2") == []
+    assert not ledger.granted("r2-89abcdef", ["lease-d"])
+    assert ledger.granted("r2-fedcba98", ["lease-e"])
+    # Another request's grant is never handed back, nor one only sharing a prefix.
+    assert ledger.give_up("r10") == ["lease-c"]
+    assert ledger.give_up("r2-fedcba9") == []
+    # Exact keys by default (the encoder service's release keys).
+    keys = ClaimLedger()
+    assert keys.granted("k", ["lease-f"]) and keys.give_up("k-") == [] and keys.give_up("k") == ["lease-f"]

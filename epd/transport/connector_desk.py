@@ -1,7 +1,7 @@
 """The engine core's desk: questions the service asks of the connectors inside the engine core,
 answered from a thread of its own beside vLLM's scheduler, over a Unix socket that only this user
 may open, named like the engine's shared buffers. One desk serves every connector of an engine
-core (a prefill's EC consumer and KV producer share it: :func:`open_desk`). Two questions:
+core (a prefill's EC consumer and KV producer share it: :func:`open_desk`). Three questions:
 
 - ``LeaseHeld`` (an encoder's producer; the encoder-output cache's fast path). A repeated item needs
   neither its media decoded, nor vLLM's processor, nor the tower: only a lease on the arena fill
@@ -14,6 +14,11 @@ core (a prefill's EC consumer and KV producer share it: :func:`open_desk`). Two 
   more; the connector that failed it knows why (an EC consumer: an encoder it could not reach, a
   lease that ran out; the KV connector: a prefill it could not handshake with, a READ that failed)
   and notes it in the desk's :class:`FailureLedger`, for the status the client gets.
+- ``GaveUp`` (an encoder's producer). The encoder service stopped waiting for a request (its caller
+  cancelled, or it waited past its queue timeout). Its engine request may have finished already,
+  its output on the way to a caller that is gone, or finish before vLLM sees the abort: either
+  way the producer frees the leases it published, which nobody would read before their TTL
+  (:class:`epd.transport.claims.ClaimLedger`).
 
 Frames are msgpack, the question tagged by its type.
 """
@@ -45,11 +50,21 @@ class WhyFailed(msgspec.Struct, tag=True):
     request_id: str
 
 
-Question = LeaseHeld | WhyFailed
+class GaveUp(msgspec.Struct, tag=True):
+    request_id: str
+
+
+Question = LeaseHeld | WhyFailed | GaveUp
 
 # Reasons kept for requests the service has not asked about yet (it asks at once, so this only
 # bounds what requests nobody asks about, such as aborted ones, leave behind).
 _FAILURES_KEPT = 1024
+
+
+def is_engine_id_of(internal_id: str, request_id: str) -> bool:
+    """Whether vLLM's engine core knows the service's request ``request_id`` as ``internal_id``:
+    that id plus "-" and 8 random characters (or it alone, with the randomization turned off)."""
+    return internal_id == request_id or (internal_id.startswith(f"{request_id}-") and len(internal_id) == len(request_id) + 9)
 
 
 class FailureLedger:
@@ -68,11 +83,10 @@ class FailureLedger:
                 self._reasons.popitem(last=False)
 
     def take(self, request_id: str) -> str | None:
-        """``request_id`` is the service's; vLLM's engine core knows the request by that id plus
-        "-" and 8 random characters (or by it alone, with the randomization turned off)."""
+        """Why the service's request ``request_id`` failed, if a connector noted it."""
         with self._lock:
             for internal_id in reversed(self._reasons):
-                if internal_id == request_id or (internal_id.startswith(f"{request_id}-") and len(internal_id) == len(request_id) + 9):
+                if is_engine_id_of(internal_id, request_id):
                     return self._reasons.pop(internal_id)
         return None
 
@@ -204,6 +218,10 @@ class ConnectorDeskClient:
     def why_failed(self, request_id: str) -> str | None:
         """Why the connector could not serve a request vLLM failed, if it knows."""
         return self._ask(WhyFailed(request_id), "the reason stays in the engine's log")
+
+    def gave_up(self, request_id: str) -> None:
+        """Frees what the request published, or will publish: the service will not read it."""
+        self._ask(GaveUp(request_id), "its leases end by their TTL")
 
     def _ask(self, question: Question, otherwise: str) -> Any:
         with self._lock:

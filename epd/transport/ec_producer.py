@@ -22,7 +22,9 @@ there once published: an encoder serves items that another encoder encoded.
 
 A request waits in vLLM's queue while the arena has no room for it (backpressure, like a full
 KV cache); a background thread ends leases as consumers' READ notifications arrive and as
-TTLs pass.
+TTLs pass. A request the encoder service gave up on (cancelled, or past its queue timeout) has
+its leases ended as soon as the service says so over the engine core's desk, even when the
+request finished first and its output was on the way to a caller that is gone.
 
 With the cache on, a request whose every item is held published is served without the engine:
 the encoder service asks the cache desk (:mod:`epd.transport.connector_desk`), which leases the fills
@@ -39,7 +41,8 @@ from typing import TYPE_CHECKING, Any
 from epd.mm_items import engine_field_from_vllm
 from epd.transport.arena import MODALITIES, EmbeddingArena, Lease
 from epd.transport.base import Publisher
-from epd.transport.connector_desk import LeaseHeld, open_desk
+from epd.transport.claims import ClaimLedger
+from epd.transport.connector_desk import GaveUp, LeaseHeld, is_engine_id_of, open_desk
 from epd.transport.ec_config import ConnectorConfig
 from epd.transport.ec_params import PublishedItem, published_to_params
 from epd.transport.shared_buffer import SharedBuffer
@@ -119,8 +122,10 @@ class ProducerScheduler:
         self._publish_item_sizes()
         self._counting = threading.Lock()  # the cache desk's thread counts hits too
         self._published_items: dict[str, PublishedItem] = {}  # key -> what vLLM published of it, without a location
-        self._desk = open_desk(config.buffer_name("desk")) if config.cache_bytes > 0 else None
-        if self._desk is not None:
+        self._claims = ClaimLedger(matches=is_engine_id_of)  # vLLM's request ids, given up on by the service's
+        self._desk = open_desk(config.buffer_name("desk"))
+        self._desk.answer(GaveUp, lambda question: self._release(self._claims.give_up(question.request_id)))
+        if config.cache_bytes > 0:
             self._desk.answer(LeaseHeld, lambda question: self._grant_held(question.keys))
         self._stop = threading.Event()
         self._reaper = threading.Thread(target=self._reap_loop, name="epd-ec-reaper", daemon=True)
@@ -227,9 +232,9 @@ class ProducerScheduler:
 
         self._modalities.pop(request.request_id, None)
         reservations = self._requests.pop(request.request_id, {})
+        leases = [reservation.lease.lease_id for reservation in reservations.values()]
         if request.status != RequestStatus.FINISHED_STOPPED:
-            for reservation in reservations.values():
-                self._arena.release(reservation.lease.lease_id)
+            self._release(leases)
             return None
         published = {}
         for index, feature in enumerate(request.mm_features):
@@ -237,11 +242,13 @@ class ProducerScheduler:
             if reservation is None or feature.identifier in published:
                 continue
             published[feature.identifier] = self._publish(request, index, reservation)
+        if not self._claims.granted(request.request_id, leases):
+            self._release(leases)  # the service gave up on it; the fills stay cached under their keys
+            return None
         return published_to_params(published)
 
     def close(self) -> None:
-        if self._desk is not None:
-            self._desk.release()
+        self._desk.release()
         self._stop.set()
         self._reaper.join(timeout=1)
         if self._shared is not None:
@@ -272,6 +279,10 @@ class ProducerScheduler:
         self._count(cache_hits=len(granted))
         return published_to_params(granted)
 
+    def _release(self, lease_ids: list[str]) -> None:
+        for lease_id in lease_ids:
+            self._arena.release(lease_id)
+
     def _count(self, **amounts: int) -> None:
         counters = self._arena.counters
         with self._counting:
@@ -280,7 +291,7 @@ class ProducerScheduler:
 
     def _remember(self, key: str, item: PublishedItem) -> None:
         """Keeps what vLLM published of an item for the cache desk (its oldest entries go first)."""
-        if self._desk is None:
+        if self._config.cache_bytes <= 0:
             return
         self._published_items.pop(key, None)
         self._published_items[key] = item

@@ -14,8 +14,10 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import secrets
 import time
 from collections import defaultdict
+from collections.abc import Sequence
 
 from epd import telemetry
 from epd.domain import EncodedItem, MediaInput, NixlLocation, Sampling
@@ -25,6 +27,7 @@ from epd.media import MediaLimits, check_modalities, source_field
 from epd.media.decode import MediaDecoder, vllm_input
 from epd.mm_items import metadata_from_published
 from epd.prompt import PromptRenderer
+from epd.transport.claims import ClaimLedger
 from epd.transport.ec_params import PublishedItem, published_from_params
 from epd.transport.slot_header import HEADER_BYTES
 
@@ -56,11 +59,14 @@ class EncoderRunner:
         self._releaser = None
         self._credentials = None  # the engine's NIXL transfer credentials, read on first use
         self._desk = engine.desk if engine.encoder_output_cache_bytes > 0 else None
-        self._cleanups: set[asyncio.Task] = set()  # releases of leases whose request was cancelled
+        self._cleanups: set[asyncio.Task] = set()  # releases of leases whose caller is gone
+        self._keys = ClaimLedger()  # callers' release keys -> the leases granted to their calls
 
-    async def encode(self, request_id: str, items: list[MediaInput]) -> list[EncodedItem]:
+    async def encode(self, request_id: str, items: list[MediaInput], release_key: str = "") -> list[EncodedItem]:
         """Encodes one request's items, in order. All are decoded before any reaches the engine,
-        so a bad item fails only its own request, and nothing is leased for a failed request."""
+        so a bad item fails only its own request, and nothing is leased for a failed request.
+        ``release_key``: the caller's secret that frees the leases granted here (:meth:`release`),
+        even when this reply never reaches it."""
         paths = [f"items[{i}]" for i in range(len(items))]
         check_modalities(items, paths, self.engine.modalities)
         started = time.perf_counter()
@@ -70,7 +76,8 @@ class EncoderRunner:
             decoded = await asyncio.to_thread(self.decoder.decode_all, items, paths)
             rendered = await self._render(items, decoded, paths)
             self._check_fits(rendered, paths)
-            published = published_from_params(await self._run(f"{request_id}-encode", rendered))
+            # Unique per call: the engine core's desk finds the request by it when this call gives up.
+            published = published_from_params(await self._run(f"{request_id}-encode-{secrets.token_hex(4)}", rendered))
         encoded = []
         for path, item in zip(paths, items, strict=True):
             entry = published.get(item.content_hash)
@@ -80,6 +87,9 @@ class EncoderRunner:
             if isinstance(location, NixlLocation):
                 location = dataclasses.replace(location, encoder_address=self.address)
             encoded.append(EncodedItem(metadata_from_published(item.content_hash, entry), location))
+        leases = [item.embedding.lease_id for item in encoded if isinstance(item.embedding, NixlLocation)]
+        if release_key and not self._keys.granted(release_key, leases):
+            self._clean_up(self._end(leases))  # released by key already: the caller is gone
         elapsed = time.perf_counter() - started
         for item in items:
             telemetry.ENCODER_ITEMS.labels(modality=item.modality.value).inc()
@@ -100,9 +110,16 @@ class EncoderRunner:
             self._credentials = TransferCredentials.load(f"{self.engine.engine_id}-transfer")
         return self._credentials
 
-    async def release(self, lease_ids: list[str]) -> None:
-        """Ends leases no consumer will read, by the same NIXL notification a READ sends. An id
-        of no live lease frees nothing (ids are 128 random bits: none can be guessed)."""
+    async def release(self, lease_ids: list[str], release_keys: Sequence[str] = ()) -> int:
+        """Ends leases no consumer will read, by the same NIXL notification a READ sends: by id,
+        and those granted to the calls that carried ``release_keys`` (or that will be, to calls
+        still running). An id or key of no lease frees nothing (ids are 128 random bits: none can
+        be guessed). Returns how many lease ids it handed to the arena."""
+        lease_ids = [*lease_ids, *(lease_id for key in release_keys for lease_id in self._keys.give_up(key))]
+        await self._end(lease_ids)
+        return len(lease_ids)
+
+    async def _end(self, lease_ids: list[str]) -> None:
         if not lease_ids or self.engine.config.embedding_transport != "nixl":
             return  # inline leases end as soon as they are published
         if self._releaser is None:
@@ -140,7 +157,11 @@ class EncoderRunner:
         if lookup.cancelled() or lookup.exception() is not None or lookup.result() is None:
             return
         leases = [item.location.lease_id for item in published_from_params(lookup.result()).values() if isinstance(item.location, NixlLocation)]
-        task = asyncio.get_running_loop().create_task(self.release(leases))
+        self._clean_up(self._end(leases))
+
+    def _clean_up(self, cleanup) -> None:
+        """Runs ``cleanup`` to its end, whatever becomes of the request it cleans up after."""
+        task = asyncio.get_running_loop().create_task(cleanup)
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
 
@@ -190,16 +211,24 @@ class EncoderRunner:
             raise InvalidArgument("; ".join(f"{v.field}: {v.description}" for v in violations), violations)
 
     async def _run(self, request_id: str, rendered) -> dict:
-        """One encoder-only engine request; its final output carries what was published."""
+        """One encoder-only engine request; its final output carries what was published.
+
+        Giving up on it (the caller cancelled, or the queue timeout passed) aborts it in the
+        engine, but it may have finished already, or finish before the abort arrives: its output
+        then goes nowhere, and the producer is told to end the leases it published.
+        """
         try:
             async with asyncio.timeout(self.config.queue_timeout_s):
                 async for step in self.engine.generate(request_id, rendered, _ONE_STEP):
                     if step.finish_reason is not None:
                         return step.ec_transfer_params or {}
+        except asyncio.CancelledError:
+            self._clean_up(asyncio.to_thread(self.engine.desk.gave_up, request_id))
+            raise
         except TimeoutError as exc:
+            self._clean_up(asyncio.to_thread(self.engine.desk.gave_up, request_id))
             raise ResourceExhausted(
                 f"the encoder could not take the request within {self.config.queue_timeout_s:g} s (embedding arena or encoder queue full)",
                 retry_after_s=1.0,
             ) from exc
         raise Internal("the encoder engine ended the request without a final output")
-

@@ -35,23 +35,22 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
         # Off the event loop: each item's content hash is recomputed over its bytes (milliseconds
         # for a large one; hashlib releases the GIL).
         items = await asyncio.to_thread(wire.media_items_from_wire, request.items)
-        encoded = await runner.encode(request.request_id or "anonymous", items)
+        encoded = await runner.encode(request.request_id or "anonymous", items, wire.release_key_from_wire(request.release_key))
         return encoder_pb2.EncodeResponse(items=[wire.encoded_item_to_wire(e) for e in encoded])
 
     @rpc_method("encoder")
     async def ReleaseEmbeddings(self, request: encoder_pb2.ReleaseEmbeddingsRequest, context) -> encoder_pb2.ReleaseEmbeddingsResponse:
-        """Frees leases no consumer will read; unknown ids are ignored.
+        """Frees leases no consumer will read; unknown ids and keys are ignored.
 
         Args:
-            request: the lease ids to free.
+            request: the lease ids to free, and the release keys of Encode calls whose leases to free.
             context: the RPC context.
 
         Returns:
             How many lease ids were handed to the arena.
         """
-        lease_ids = list(request.lease_ids)
-        await self._ready_runner().release(lease_ids)
-        return encoder_pb2.ReleaseEmbeddingsResponse(released_count=len(lease_ids))
+        released = await self._ready_runner().release(list(request.lease_ids), wire.release_keys_from_wire(request.release_keys))
+        return encoder_pb2.ReleaseEmbeddingsResponse(released_count=released)
 
     @rpc_method("encoder")
     async def GetTransferMetadata(self, request: encoder_pb2.GetTransferMetadataRequest, context) -> encoder_pb2.GetTransferMetadataResponse:
