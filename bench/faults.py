@@ -78,18 +78,24 @@ def _start(stack: Stack, model: str) -> dict[str, ServiceProcess]:
     return services
 
 
-_LATE_KV_READS = "vllm:nixl_num_notifications_after_expiry_total"
+_LATE_KV_NOTIFICATIONS = "vllm:nixl_num_notifications_after_expiry_total"
+_KV_RELEASES = "epd_requests_total{code=OK,method=ReleaseKv,service=decode}"
 _KV_LEASE_RETRIES = "epd_gateway_retries_total{stage=kv_lease}"
 
 
-def _late_kv_reads(services: dict[str, ServiceProcess]) -> dict[str, tuple[ServiceProcess, float]]:
-    """Per prefill, the decodes' READs that vLLM saw end after the KV lease had run out (the
-    blocks might hold another request's KV by then)."""
+def _counts(services: dict[str, ServiceProcess], stage: str, metric: str) -> dict[str, tuple[ServiceProcess, float]]:
+    """Per live instance of ``stage``, the samples of ``metric`` summed over their labels."""
     return {
-        name: (service, sum(v for k, v in scrape(service.metrics_port).items() if k.startswith(_LATE_KV_READS)))
+        name: (service, sum(v for k, v in scrape(service.metrics_port).items() if k.startswith(metric)))
         for name, service in services.items()
-        if name.startswith("prefill")
+        if name.startswith(stage) and service.process.poll() is None
     }
+
+
+def _growth(before: dict[str, tuple[ServiceProcess, float]], after: dict[str, tuple[ServiceProcess, float]]) -> float:
+    """How much a count grew over the instances alive at the end: a restarted one counts from 0,
+    and a killed one's count is lost with it."""
+    return sum(n - (before[name][1] if before[name][0] is service else 0.0) for name, (service, n) in after.items())
 
 
 def _first_difference(a: list[int], b: list[int]) -> int:
@@ -103,7 +109,8 @@ def _restart_args(victim: ServiceProcess, stage: str, model: str) -> list[str]:
 
 async def _scenario(stack: Stack, services: dict[str, ServiceProcess], stage: str, model: str, stub, requests, expected: dict, load_s: float) -> dict[str, Any]:
     gateway, victim = services["gateway"], services[f"{stage}1"]
-    late_before = _late_kv_reads(services)
+    late_before = _counts(services, "prefill", _LATE_KV_NOTIFICATIONS)
+    releases_before = _counts(services, "decode", _KV_RELEASES)
     retries_before = scrape(gateway.metrics_port).get(_KV_LEASE_RETRIES, 0.0)
     log: list[Sent] = []
     stop = asyncio.Event()
@@ -125,8 +132,6 @@ async def _scenario(stack: Stack, services: dict[str, ServiceProcess], stage: st
         await asyncio.sleep(load_s)
     stop.set()
     await load
-    # A restarted prefill counts from 0; the killed one's count is lost with it.
-    late_reads = sum(n - (late_before[name][1] if late_before[name][0] is service else 0.0) for name, (service, n) in _late_kv_reads(services).items())
     failed = [s for s in log if not s.record.ok]
     wrong = [s for s in log if s.record.ok and list(s.record.token_ids) != expected[s.index]]
     after_kill = [s for s in log if s.started > killed_at]
@@ -140,7 +145,11 @@ async def _scenario(stack: Stack, services: dict[str, ServiceProcess], stage: st
         first_success_after_kill_s=None if first_success is None else first_success - killed_at,
         e2el_ms=summarize([s.record.e2el_s * 1e3 for s in log if s.record.ok]),
         wrong_tokens=len(wrong),
-        late_kv_reads=late_reads,
+        # Notifications for KV a prefill no longer held: a READ that ended after the lease ran
+        # out (the blocks may hold another request's KV by then), or, counted the same by vLLM,
+        # a release of KV its decode had read before failing (harmless), bounded by the releases.
+        late_kv_notifications=_growth(late_before, _counts(services, "prefill", _LATE_KV_NOTIFICATIONS)),
+        kv_releases=_growth(releases_before, _counts(services, "decode", _KV_RELEASES)),
         kv_lease_retries=scrape(gateway.metrics_port).get(_KV_LEASE_RETRIES, 0.0) - retries_before,
         # Where they differ (to tell a fault's effect from batch-dependent rounding): the
         # request, when it started relative to the kill, and the first differing position.

@@ -367,22 +367,25 @@ def _faults(doc: dict) -> list[str]:
         f"({doc['output_tokens']} output tokens), {doc['load_s']:.0f} s of load before the kill and again after the restart. "
         "Eject: the kill until the gateway's `epd_stage_instance_up` for the instance reads 0; rejoin: the restarted process ready until it reads 1.",
         "",
-        "| killed | requests | failed | in flight on it, ended | failed, started after the kill | first success after the kill s | eject s | rejoin s | tokens differing | late KV reads | KV-lease retries | E2EL p50 / p99 ms |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| killed | requests | failed | in flight on it, ended | failed, started after the kill | first success after the kill s | eject s | rejoin s | tokens differing | late KV notifications | KV releases | KV-lease retries | E2EL p50 / p99 ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in doc["results"]:
         lines.append(
             f"| {r['stage']} | {r['requests']} | {r['failed']} | {r['ended_in_flight']} | {r['failed_started_after_kill']} | {_seconds(r['first_success_after_kill_s'])} "
             f"| {_seconds(r['eject_s'])} | {_seconds(r.get('rejoin_s')) if 'rejoin_s' in r else 'n/a (not restarted)'} | {r['wrong_tokens']} "
-            f"| {_fmt(r.get('late_kv_reads'), 0)} | {_fmt(r.get('kv_lease_retries'), 0)} | {_fmt(r['e2el_ms']['median'], 0)} / {_fmt(r['e2el_ms']['p99'], 0)} |"
+            f"| {_fmt(r.get('late_kv_notifications'), 0)} | {_fmt(r.get('kv_releases'), 0)} | {_fmt(r.get('kv_lease_retries'), 0)} | {_fmt(r['e2el_ms']['median'], 0)} / {_fmt(r['e2el_ms']['p99'], 0)} |"
         )
     errors = "; ".join(f"{r['stage']}: {', '.join(r['errors'])}" for r in doc["results"] if r["errors"])
     goals = (
         "Goals: 0 failed for encoder and prefill; for decode, only streams in flight on it end (after their first token, so not retried) and 0 failures for requests started after the kill; "
         "0 tokens differing (successful requests whose greedy tokens differ from the same request's answer on the idle deployment before the load; "
-        "`wrong_examples` in the result file says when each started and where it first differs); 0 late KV reads (READs of a prefill's KV that vLLM "
-        "saw end after the lease had run out, `vllm:nixl_num_notifications_after_expiry_total`, over the prefills alive at the end: the blocks may "
-        "hold another request's KV by then). KV-lease retries: requests run again because a decode refused a handoff whose lease was about to run out "
+        "`wrong_examples` in the result file says when each started and where it first differs); no late KV READ. A late KV notification "
+        "(`vllm:nixl_num_notifications_after_expiry_total`, over the prefills alive at the end) is one for KV its prefill no longer held: a READ that "
+        "ended after the lease had run out (the blocks may hold another request's KV by then), or a release of KV that a decode had read before it "
+        "failed, which vLLM counts the same and which is harmless. KV releases: the gateway's `ReleaseKv` calls, over the decodes alive at the end, "
+        "for requests that failed between prefill and a decode's answer (with 0 tokens differing, late notifications no more than these are "
+        "consistent with no late READ). KV-lease retries: requests run again because a decode refused a handoff whose lease was about to run out "
         "(`epd_gateway_retries_total{stage=kv_lease}`)."
     )
     return [*lines, "", goals + (f" Errors seen: {errors}." if errors else ""), ""]
