@@ -145,9 +145,8 @@ async def _scenario(stack: Stack, services: dict[str, ServiceProcess], stage: st
         first_success_after_kill_s=None if first_success is None else first_success - killed_at,
         e2el_ms=summarize([s.record.e2el_s * 1e3 for s in log if s.record.ok]),
         wrong_tokens=len(wrong),
-        # Notifications for KV a prefill no longer held: a READ that ended after the lease ran
-        # out (the blocks may hold another request's KV by then), or, counted the same by vLLM,
-        # a release of KV its decode had read before failing (harmless), bounded by the releases.
+        # A decode's notices for KV its prefill no longer held, such as a READ that ended after
+        # the lease ran out (the blocks may hold another request's KV by then).
         late_kv_notifications=_growth(late_before, _counts(services, "prefill", _LATE_KV_NOTIFICATIONS)),
         kv_releases=_growth(releases_before, _counts(services, "decode", _KV_RELEASES)),
         kv_lease_retries=scrape(gateway.metrics_port).get(_KV_LEASE_RETRIES, 0.0) - retries_before,

@@ -380,13 +380,11 @@ def _faults(doc: dict) -> list[str]:
     goals = (
         "Goals: 0 failed for encoder and prefill; for decode, only streams in flight on it end (after their first token, so not retried) and 0 failures for requests started after the kill; "
         "0 tokens differing (successful requests whose greedy tokens differ from the same request's answer on the idle deployment before the load; "
-        "`wrong_examples` in the result file says when each started and where it first differs); no late KV READ. A late KV notification "
-        "(`vllm:nixl_num_notifications_after_expiry_total`, over the prefills alive at the end) is one for KV its prefill no longer held: a READ that "
-        "ended after the lease had run out (the blocks may hold another request's KV by then), or a release of KV that a decode had read before it "
-        "failed, which vLLM counts the same and which is harmless. KV releases: the gateway's `ReleaseKv` calls, over the decodes alive at the end, "
-        "for requests that failed between prefill and a decode's answer (with 0 tokens differing, late notifications no more than these are "
-        "consistent with no late READ). KV-lease retries: requests run again because a decode refused a handoff whose lease was about to run out "
-        "(`epd_gateway_retries_total{stage=kv_lease}`)."
+        "`wrong_examples` in the result file says when each started and where it first differs); 0 late KV notifications "
+        "(`vllm:nixl_num_notifications_after_expiry_total`, over the prefills alive at the end: a decode's notice for KV its prefill no longer held, "
+        "such as a READ that ended after the lease had run out, when the blocks may hold another request's KV). KV releases: the gateway's "
+        "`ReleaseKv` calls, over the decodes alive at the end, for requests that failed between prefill and a decode's answer. KV-lease retries: "
+        "requests run again because a decode refused a handoff whose lease was about to run out (`epd_gateway_retries_total{stage=kv_lease}`)."
     )
     return [*lines, "", goals + (f" Errors seen: {errors}." if errors else ""), ""]
 
