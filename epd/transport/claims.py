@@ -45,7 +45,7 @@ class ClaimLedger:
             return True
 
     def give_up(self, key: str) -> list[str]:
-        """The leases granted under ``key``, to free. None when nothing has been granted yet
+        """The leases granted under ``key``, to free; none while nothing has been granted yet
         (:meth:`granted` then refuses the grant) or ever will be."""
         with self._lock:
             for granted in reversed(self._granted):
