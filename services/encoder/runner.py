@@ -223,12 +223,15 @@ class EncoderRunner:
                     if step.finish_reason is not None:
                         return step.ec_transfer_params or {}
         except asyncio.CancelledError:
-            self._clean_up(asyncio.to_thread(self.engine.desk.gave_up, request_id))
+            self._give_up(request_id)
             raise
         except TimeoutError as exc:
-            self._clean_up(asyncio.to_thread(self.engine.desk.gave_up, request_id))
+            self._give_up(request_id)
             raise ResourceExhausted(
                 f"the encoder could not take the request within {self.config.queue_timeout_s:g} s (embedding arena or encoder queue full)",
                 retry_after_s=1.0,
             ) from exc
         raise Internal("the encoder engine ended the request without a final output")
+
+    def _give_up(self, request_id: str) -> None:
+        self._clean_up(asyncio.to_thread(self.engine.desk.gave_up, request_id))

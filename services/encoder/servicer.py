@@ -32,10 +32,11 @@ class EncoderServicer(encoder_pb2_grpc.EncoderServiceServicer):
             Metadata and an embedding handle per item, in request order.
         """
         runner = self._ready_runner()
+        release_key = wire.release_key_from_wire(request.release_key)
         # Off the event loop: each item's content hash is recomputed over its bytes (milliseconds
         # for a large one; hashlib releases the GIL).
         items = await asyncio.to_thread(wire.media_items_from_wire, request.items)
-        encoded = await runner.encode(request.request_id or "anonymous", items, wire.release_key_from_wire(request.release_key))
+        encoded = await runner.encode(request.request_id or "anonymous", items, release_key)
         return encoder_pb2.EncodeResponse(items=[wire.encoded_item_to_wire(e) for e in encoded])
 
     @rpc_method("encoder")
