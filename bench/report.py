@@ -382,7 +382,8 @@ def _faults(doc: dict) -> list[str]:
         "0 tokens differing (successful requests whose greedy tokens differ from the same request's answer on the idle deployment before the load; "
         "`wrong_examples` in the result file says when each started and where it first differs); 0 late KV notifications "
         "(`vllm:nixl_num_notifications_after_expiry_total`, over the prefills alive at the end: a decode's notice for KV its prefill no longer held, "
-        "such as a READ that ended after the lease had run out, when the blocks may hold another request's KV). KV releases: the gateway's "
+        "such as a READ that ended after the lease had run out, when the blocks may hold another request's KV; in the decode run it can also be "
+        "harmless: the gateway's release of KV that the killed decode had read just before it died, before its first token). KV releases: the gateway's "
         "`ReleaseKv` calls, over the decodes alive at the end, for requests that failed between prefill and a decode's answer. KV-lease retries: "
         "requests run again because a decode refused a handoff whose lease was about to run out (`epd_gateway_retries_total{stage=kv_lease}`)."
     )
