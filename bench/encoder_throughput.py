@@ -150,7 +150,7 @@ def measure_hf(model_dir: pathlib.Path, images: Sequence[bytes], repeats: int) -
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
     processor = AutoImageProcessor.from_pretrained(model_dir)
     decoder = MediaDecoder.for_model(model_dir, MediaLimits())
-    items = [MediaInput.of(Modality.IMAGE, MediaFile(data, "image/jpeg")) for data in images]
+    items = [MediaInput(Modality.IMAGE, MediaFile(data, "image/jpeg")) for data in images]
 
     def one_pass() -> tuple[dict[str, float], list[tuple[int, int]]]:
         seconds = {"decode": 0.0, "processor": 0.0, "tower": 0.0}

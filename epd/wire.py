@@ -31,7 +31,6 @@ from epd.domain import (
     TextPart,
     VideoFrames,
     VideoSampling,
-    content_hash,
 )
 from epd.errors import FieldViolation, InvalidArgument
 from epd.transport.location import location_problems
@@ -156,7 +155,7 @@ def generate_request_from_wire(msg: gateway_pb2.GenerateRequest) -> GenerateRequ
                 has_content = True
                 item = _media_from_wire(kind, getattr(part, kind), field, violations)
                 if item is not None:
-                    parts.append(MediaInput.of(*item))
+                    parts.append(MediaInput(*item))
         messages.append(ChatMessage(_ROLE_FROM_WIRE.get(message.role, Role.USER), tuple(parts)))
     if msg.messages and not has_content:
         violations.append(FieldViolation("messages", "the prompt is empty: no text and no media"))
@@ -254,7 +253,9 @@ def media_to_wire(item: MediaInput) -> multimodal_pb2.Media | multimodal_pb2.Vid
 
 
 def media_item_to_wire(item: MediaInput) -> multimodal_pb2.MediaItem:
-    return multimodal_pb2.MediaItem(content_hash=item.content_hash, **{item.modality.value: media_to_wire(item)})
+    # Without its content hash: the receiver computes it anyway (it never trusts one it is
+    # given), so hashing here would only cost the sender, the gateway, time.
+    return multimodal_pb2.MediaItem(**{item.modality.value: media_to_wire(item)})
 
 
 def media_item_from_wire(item: multimodal_pb2.MediaItem, field: str, violations: list[FieldViolation]) -> MediaInput | None:
@@ -269,11 +270,11 @@ def media_item_from_wire(item: multimodal_pb2.MediaItem, field: str, violations:
     modality, source, sampling = parsed
     # Recomputed, never trusted: it keys the encoder-output cache, so a peer naming another
     # item's hash would read that item's embedding, or have its own bytes served under it.
-    computed = content_hash(source, sampling)
-    if item.content_hash and item.content_hash != computed:
+    media = MediaInput(modality, source, sampling)
+    if item.content_hash and item.content_hash != media.content_hash:
         violations.append(FieldViolation(f"{field}.content_hash", "does not match the item: it must be the SHA-256 of its bytes and options (epd.domain.content_hash)"))
         return None
-    return MediaInput(modality, source, computed, sampling)
+    return media
 
 
 def media_items_from_wire(items) -> list[MediaInput]:

@@ -2,8 +2,8 @@
 (``gateway.openai_front``).
 
 A chat becomes the very ``GenerateRequest`` a gRPC client would send for it: one domain content
-part per OpenAI content part (so field paths map one to one), media items built and hashed by
-``MediaInput.of``, and sampling checked by ``epd.wire.sampling_from_wire`` on the same protobuf
+part per OpenAI content part (so field paths map one to one), media items built as
+``MediaInput``, and sampling checked by ``epd.wire.sampling_from_wire`` on the same protobuf
 values a gRPC client would set. Both APIs therefore get the same tokens. Problems are
 ``InvalidArgument`` field violations named by their OpenAI fields
 (``messages[0].content[1].image_url``); :func:`openai_field` renames those the pipeline reports
@@ -154,7 +154,7 @@ def _build(chat: ChatCompletionRequest, request_id: str, fetched: dict[str, Medi
                     continue
             if not source.data:
                 violations.append(FieldViolation(part.field, "is empty"))
-            built.append(MediaInput.of(part.modality, source))
+            built.append(MediaInput(part.modality, source))
         messages.append(ChatMessage(role, tuple(built)))
     if violations:
         raise InvalidArgument("invalid media: " + "; ".join(f"{v.field} {v.description}" for v in violations), violations)

@@ -86,12 +86,12 @@ class EncoderClient:
     ) -> list[EncodedItem]:
         """Encodes the items over the encoder instances (one call per chosen instance, in
         parallel), in order; every call's release key is recorded in ``leases`` before it goes out.
-        Each item goes to the encoder that last served it, else where its content hash points
+        Each item goes to the encoder that last served it, else where its affinity key points
         (that encoder's cache may hold its output already). Instances in ``avoid`` (they failed this request before) are picked only as a
         last resort."""
         groups: dict[str, list[int]] = defaultdict(list)
         for index, item in enumerate(media):
-            groups[self.pool.pick_for_key(item.content_hash, avoid)].append(index)
+            groups[self.pool.pick_for_key(item.affinity_key, avoid)].append(index)
         results: list[EncodedItem | None] = [None] * len(media)
 
         async def call(address: str, indices: list[int]) -> None:
@@ -105,7 +105,7 @@ class EncoderClient:
             for i, item in zip(indices, wire.encoded_items_from_wire(response.items), strict=True):
                 results[i] = item
                 # Its arena holds the output now, and answers a repeat without its engine.
-                self.pool.record_holder(media[i].content_hash, address)
+                self.pool.record_holder(media[i].affinity_key, address)
 
         # Let every call finish before raising, so that none is left running for a request that ended.
         outcomes = await asyncio.gather(*(call(address, indices) for address, indices in groups.items()), return_exceptions=True)

@@ -96,11 +96,11 @@ def test_pixel_and_frame_limits_name_the_field():
     from epd.testing import synthetic_frames_png
 
     decoder = MediaDecoder.for_model(checkpoint("qwen3_vl"), MediaLimits(max_image_pixels=100 * 80, max_video_frames=5))
-    assert decoder.decode(MediaInput.of(Modality.IMAGE, MediaFile(synthetic_image_png(100, 80, seed=1), "image/png"))).size == (100, 80)
+    assert decoder.decode(MediaInput(Modality.IMAGE, MediaFile(synthetic_image_png(100, 80, seed=1), "image/png"))).size == (100, 80)
     cases = {
-        "image.data": MediaInput.of(Modality.IMAGE, MediaFile(synthetic_image_png(101, 80, seed=1), "image/png")),
-        "video.file.data": MediaInput.of(Modality.VIDEO, MediaFile(synthetic_video(32, 32, 6, fps=6.0, seed=1), "video/mp4")),
-        "video.frames.frames": MediaInput.of(Modality.VIDEO, VideoFrames(tuple(MediaFile(f, "image/png") for f in synthetic_frames_png(32, 32, 6, seed=1)), 6.0)),
+        "image.data": MediaInput(Modality.IMAGE, MediaFile(synthetic_image_png(101, 80, seed=1), "image/png")),
+        "video.file.data": MediaInput(Modality.VIDEO, MediaFile(synthetic_video(32, 32, 6, fps=6.0, seed=1), "video/mp4")),
+        "video.frames.frames": MediaInput(Modality.VIDEO, VideoFrames(tuple(MediaFile(f, "image/png") for f in synthetic_frames_png(32, 32, 6, seed=1)), 6.0)),
     }
     for field, item in cases.items():
         with pytest.raises(MediaError) as info:

@@ -21,7 +21,7 @@ _ROUNDS = 150
 
 
 def _chat(index: int) -> list[ChatMessage]:
-    image = MediaInput.of(Modality.IMAGE, MediaFile(b"not decoded here", "image/png"))
+    image = MediaInput(Modality.IMAGE, MediaFile(b"not decoded here", "image/png"))
     return [ChatMessage(Role.USER, (image, TextPart(f"What is in picture {index}? <|im_end|> is text here.")))]
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
+
 import grpc
 import pytest
 from google.rpc import error_details_pb2
 
 from epd import wire
-from epd.domain import EngineField, GridThw, InlineEmbedding, ItemMetadata, Modality, NixlLocation
+from epd.domain import EngineField, GridThw, InlineEmbedding, ItemMetadata, MediaFile, MediaInput, Modality, NixlLocation, VideoFrames, VideoSampling
 from epd.errors import InvalidArgument, ResourceExhausted, to_rpc_status
 from epd.mm_items import batch_fields, engine_field_from_vllm, metadata_from_published, vllm_fields
 from epd.transport.ec_params import ExpectedItem, PublishedItem, expected_from_params, expected_to_params, published_from_params, published_to_params
@@ -35,6 +37,25 @@ def test_media_without_bytes_or_mime_names_the_part():
     with pytest.raises(InvalidArgument) as info:
         wire.generate_request_from_wire(_request([gateway_pb2.ContentPart(text="hi"), gateway_pb2.ContentPart(image=multimodal_pb2.Media())]))
     assert _fields(info.value) == ["messages[0].parts[1].image.data", "messages[0].parts[1].image.mime_type"]
+
+
+def test_the_gateway_routes_media_by_a_key_of_its_own_and_leaves_the_content_hash_to_the_encoder():
+    frames = (MediaFile(b"frame one", "image/png"), MediaFile(b"frame two", "image/png"))
+    clip = MediaInput(Modality.VIDEO, VideoFrames(frames, 2.0))
+    keys = {
+        clip.affinity_key,
+        MediaInput(Modality.VIDEO, VideoFrames(frames, 2.0), VideoSampling(fps=1.0)).affinity_key,
+        MediaInput(Modality.VIDEO, VideoFrames(frames, 4.0)).affinity_key,
+        MediaInput(Modality.VIDEO, VideoFrames((MediaFile(b"frame on", "image/png"), MediaFile(b"eframe two", "image/png")), 2.0)).affinity_key,
+    }
+    assert len(keys) == 4  # options and frame boundaries count, as in the content hash
+    assert MediaInput(Modality.VIDEO, VideoFrames(frames, 2.0)).affinity_key == clip.affinity_key
+
+    image = MediaInput(Modality.IMAGE, MediaFile(b"png bytes", "image/png"))
+    sent = wire.media_item_to_wire(image)
+    assert not sent.content_hash and "content_hash" not in vars(image)  # the gateway hashed nothing but its key
+    received = wire.media_items_from_wire([sent])[0]
+    assert received.content_hash == hashlib.sha256(b"png bytes").hexdigest()
 
 
 def test_metadata_round_trips_with_typed_and_engine_fields():
