@@ -283,6 +283,12 @@ class GenerateRequest:
     messages: tuple[ChatMessage, ...]
     sampling: Sampling
 
+    def __post_init__(self) -> None:
+        # Hashed where the request is built (in a worker thread, for a large one), never later on
+        # the gateway's event loop, where routing reads the keys.
+        for item in self.media:
+            item.affinity_key  # noqa: B018 (a cached property)
+
     @property
     def media(self) -> list[MediaInput]:
         """Media items in prompt order."""

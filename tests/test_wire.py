@@ -51,7 +51,9 @@ def test_the_gateway_routes_media_by_a_key_of_its_own_and_leaves_the_content_has
     assert len(keys) == 4  # options and frame boundaries count, as in the content hash
     assert MediaInput(Modality.VIDEO, VideoFrames(frames, 2.0)).affinity_key == clip.affinity_key
 
-    image = MediaInput(Modality.IMAGE, MediaFile(b"png bytes", "image/png"))
+    request = wire.generate_request_from_wire(_request([gateway_pb2.ContentPart(image=multimodal_pb2.Media(data=b"png bytes", mime_type="image/png"))]))
+    image = request.media[0]
+    assert "affinity_key" in vars(image)  # computed as the request was built, off the event loop for a large one
     sent = wire.media_item_to_wire(image)
     assert not sent.content_hash and "content_hash" not in vars(image)  # the gateway hashed nothing but its key
     received = wire.media_items_from_wire([sent])[0]
