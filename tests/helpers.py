@@ -8,6 +8,7 @@ import grpc
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
+from epd.domain import MediaFile, MediaInput, Modality
 from epd.server import CLIENT_OPTIONS
 from epd.telemetry import scrape
 from epd.v1 import gateway_pb2_grpc
@@ -19,6 +20,11 @@ from epd.v1 import gateway_pb2_grpc
 SMALL_KV_CACHE = ["--kv-cache-gib", "0.125"]
 
 _channels: dict[str, grpc.aio.Channel] = {}
+
+
+def image_affinity_key(png: bytes) -> str:
+    """The key the gateway routes a PNG image by (its point on the encoders' ring)."""
+    return MediaInput(Modality.IMAGE, MediaFile(png, "image/png")).affinity_key
 
 
 def gateway_stub(address: str) -> gateway_pb2_grpc.GatewayServiceStub:

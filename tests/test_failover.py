@@ -11,7 +11,6 @@ stream promptly with UNAVAILABLE saying how many tokens were sent; later request
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 
 import grpc
@@ -25,7 +24,7 @@ from epd.testing import synthetic_image_png
 from epd.v1 import decode_pb2, decode_pb2_grpc
 from gateway.router import HashRing
 from tests.conftest import DEFAULT_FAMILY
-from tests.helpers import SMALL_KV_CACHE, encode_then_prefill, gateway_stub, prefill_directly, wait_for_metric
+from tests.helpers import SMALL_KV_CACHE, encode_then_prefill, gateway_stub, image_affinity_key, prefill_directly, wait_for_metric
 
 _IMAGES = [synthetic_image_png(96 + 16 * i, 96, seed=500 + i) for i in range(4)]
 _REQUESTS = 24
@@ -146,13 +145,13 @@ async def test_killing_an_encoder_and_a_prefill_under_load_fails_no_request(fami
         for i in range(through_lonely):
             assert (await generate(gateway_stub(lonely.address), _request(i), timeout=120)).token_ids == oracle[i]
         # The shared gateway sends the reborn encoder its own share of the items again: each new
-        # image goes to the encoder its content hash points to on the ring (one at a time, so
+        # image goes to the encoder its affinity key points to on the ring (one at a time, so
         # no load bound interferes).
         ring = HashRing([family_stack.encoder.address, reborn.address])
         images = [synthetic_image_png(80, 96 + 16 * i, seed=600 + i) for i in range(8)]
         for image in images:
             await generate(stub, chat_request([(image, "image/png"), "What is it?"], max_tokens=2), timeout=120)
-        owned = sum(ring.walk(hashlib.sha256(image).hexdigest())[0] == reborn.address for image in images)
+        owned = sum(ring.walk(image_affinity_key(image))[0] == reborn.address for image in images)
         assert _counter(reborn.metrics_port, "epd_encoder_items_total") == through_lonely + owned
     finally:
         for service in extra:

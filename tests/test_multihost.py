@@ -12,7 +12,6 @@ name and killed, and no request fails.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import time
 
 import pytest
@@ -22,25 +21,25 @@ from epd.launcher import Stack, gateway_args
 from epd.telemetry import scrape
 from epd.testing import synthetic_image_png
 from gateway.router import HashRing
-from tests.helpers import SMALL_KV_CACHE, gateway_stub
+from tests.helpers import SMALL_KV_CACHE, gateway_stub, image_affinity_key
 from tests.netns import Hosts, can_create_namespaces
 
 _WHY_NOT = can_create_namespaces()
 pytestmark = pytest.mark.skipif(_WHY_NOT is not None, reason=f"no network namespaces here: {_WHY_NOT}")
 _HOSTS = ["encoder", "encoder2", "prefill", "decode", "gateway"]
 _ENCODERS = "encoders.epd.test"  # the name the gateway resolves, on its host only
-_PER_ENCODER = 3  # images whose content hash the ring gives to each encoder
+_PER_ENCODER = 3  # images whose affinity key the ring gives to each encoder
 _LOAD_REQUESTS = 600  # at most, two at a time (a bound: the phases below stop the load, at about 3 per second)
 _PHASE_TIMEOUT_S = 90.0
 
 
 def _images_for(addresses: list[str]) -> list[bytes]:
-    """Images alternating between the encoders their content hash points to on the ring, so
+    """Images alternating between the encoders their affinity key points to on the ring, so
     each encoder owns some of the load's keys (which ones depends on the addresses)."""
     ring, owned = HashRing(addresses), {a: [] for a in addresses}
     for seed in range(950, 1150):
         image = synthetic_image_png(96 + 16 * (seed % 4), 96, seed=seed)
-        owner = owned[ring.walk(hashlib.sha256(image).hexdigest())[0]]
+        owner = owned[ring.walk(image_affinity_key(image))[0]]
         if len(owner) < _PER_ENCODER:
             owner.append(image)
     return [image for pair in zip(*owned.values(), strict=True) for image in pair]
