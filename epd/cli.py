@@ -64,7 +64,7 @@ _HELP = {
     "embedding_read_timeout_s": "limit on one encoder's NIXL metadata fetch or READ",
     "advertise_host": "host consumers dial for this encoder's NIXL metadata, written into every embedding location (a name its TLS certificate covers); default: --host",
     "queue_timeout_s": "how long an Encode may wait for arena space or the engine before RESOURCE_EXHAUSTED",
-    "affinity_routing": "send items to encoders by content hash and requests to prefills by prompt prefix (consistent hashing, bounded load); --no-affinity-routing: least in-flight (benchmarks' baseline)",
+    "affinity_routing": "send items to encoders by their affinity key (a BLAKE3 content digest) and requests to prefills by prompt prefix (consistent hashing, bounded load); --no-affinity-routing: least in-flight (benchmarks' baseline)",
     "local_prefill_fallback": "epd mode: while no prefill instance is live, decode instances prefill requests themselves (E+PD) instead of failing them; readiness then needs no prefill",
     "max_prompt_bytes": "refuse chats with more text than this, before tokenizing (0: no limit)",
     "max_attempts": "tries per request, on other instances, when a stage is UNAVAILABLE before the first token",
