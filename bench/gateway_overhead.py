@@ -4,8 +4,9 @@ The gateway (``epd gateway --mode epd``, its own process, as deployed) is pointe
 a prefill and a decode that do no work: the encoder returns one item's metadata and a 4 KiB
 inline embedding, the prefill a KV handoff, the decode streams the tokens (one per message, as
 a real decode does). What remains is the gateway's own work per request: parsing and validating
-the request, hashing the media, rendering the chat template, three gRPC hops and their
-conversions, tracing, metrics and streaming the deltas back.
+the request, hashing the media, three gRPC hops and their conversions, tracing, metrics and
+streaming the deltas back. The gateway renders no chat template (the engine that prefills
+does) and reads no model file, so it is given a model name and no checkpoint.
 
 The stand-ins are compiled (``bench/go_stages``, grpc-go on the generated Go SDK, built here
 and run as their own process), so that a call to one costs next to nothing: stand-ins on
@@ -56,7 +57,7 @@ import psutil
 from bench.common import RESULTS_DIR, progress, summarize, write_result
 
 NAME = "gateway_overhead"
-FAMILY = "qwen2_5_vl"
+MODEL_NAME = "qwen2_5_vl"  # a name only: the gateway reads no model file
 OUTPUT_TOKENS = 16  # bench/go_stages answers with as many
 DEFAULT_REQUESTS = 300
 QUICK_REQUESTS = 30
@@ -182,10 +183,8 @@ def _measure(go_stages: pathlib.Path, paths: dict[str, str], decode_address: str
 
 
 def run(*, quick: bool = False, num_requests: int | None = None, results_dir: pathlib.Path = RESULTS_DIR, command: str) -> pathlib.Path:
-    from epd.checkpoints import ensure_tiny_checkpoint
     from epd.launcher import Stack, gateway_args
 
-    model = str(ensure_tiny_checkpoint(FAMILY, _ROOT / "checkpoints"))
     requests = num_requests or (QUICK_REQUESTS if quick else DEFAULT_REQUESTS)
 
     def experiment(scratch: pathlib.Path) -> dict[str, Any]:
@@ -201,7 +200,7 @@ def run(*, quick: bool = False, num_requests: int | None = None, results_dir: pa
             relay = spawn.Process(target=_serve_bare_relay, args=(stages_address, ports), daemon=True)
             relay.start()
             processes.callback(_stop, relay)
-            args = gateway_args(model, "epd", encoders=[stages_address], prefills=[stages_address], decodes=[stages_address])
+            args = gateway_args(MODEL_NAME, "epd", encoders=[stages_address], prefills=[stages_address], decodes=[stages_address])
             gateway = stack.start("gateway-overhead", args)
             processes.callback(stack.stop)
             stack.wait_ready([gateway], 120)
@@ -211,7 +210,7 @@ def run(*, quick: bool = False, num_requests: int | None = None, results_dir: pa
 
     with tempfile.TemporaryDirectory(prefix="epd-gateway-overhead-") as scratch:
         result = experiment(pathlib.Path(scratch))
-    result.update(model=model, output_tokens=OUTPUT_TOKENS, goal_p50_ms=GOAL_P50_MS)
+    result.update(model=MODEL_NAME, output_tokens=OUTPUT_TOKENS, goal_p50_ms=GOAL_P50_MS)
     progress(
         f"{NAME}: p50 {result['latency_ms']['median']:.2f} ms (floor {result['direct_ms']['median']:.2f}, added {result['added_ms']['median']:.2f}, "
         f"bare relay {result['relay_ms']['median']:.2f}, grpc-go relay {result['go_relay_ms']['median']:.2f}), "

@@ -127,10 +127,10 @@ def _tls_flags(p: argparse.ArgumentParser, names: Sequence[str]) -> None:
     _flags(p, TlsConfig, names)
 
 
-def _engine_flags(p: argparse.ArgumentParser, *extra: Sequence[str]) -> None:
+def _engine_flags(p: argparse.ArgumentParser, *extra: Sequence[str], model_help: str = "local checkpoint directory") -> None:
     from epd.engine import EngineConfig
 
-    p.add_argument("--model", required=True, help="local checkpoint directory")
+    p.add_argument("--model", required=True, help=model_help)
     _flags(p, EngineConfig, [name for group in (_ENGINE_FIELDS, *extra) for name in group])
 
 
@@ -164,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     gw = sub.add_parser("gateway", help="run the public gateway")
     _server_flags(gw)
-    _engine_flags(gw)
+    _engine_flags(gw, model_help="monolithic: the checkpoint directory it serves; epd, epd-combined: only the model's name in the HTTP front (no file is read)")
     gw.add_argument("--mode", choices=["epd", "epd-combined", "monolithic"], default="epd")
     instances = "host:port of one instance, or dns:///name:port for every address the name resolves to (re-resolved every 5 s and after a failure); repeat for several"
     gw.add_argument("--encoder", action="append", default=[], help=f"encoder: {instances}")

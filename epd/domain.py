@@ -248,12 +248,15 @@ class KvHandoff:
 
 @dataclass(frozen=True)
 class EngineRequest:
-    """What the prefill and decode stages receive: a prompt with one placeholder per item."""
+    """What the prefill and decode stages receive: a prompt with one placeholder per item,
+    either as the chat (``chat``, rendered by the engine that gets it) or as the token ids it
+    rendered to (``prompt_token_ids``); exactly one of the two is set."""
 
     request_id: str
-    prompt_token_ids: tuple[int, ...]
     items: tuple[EncodedItem, ...]
     sampling: Sampling
+    prompt_token_ids: tuple[int, ...] = ()
+    chat: tuple[ChatMessage, ...] = ()
     kv_handoff: KvHandoff | None = None
 
 
@@ -268,7 +271,15 @@ class TextPart:
     text: str
 
 
-ContentPart = TextPart | MediaInput
+@dataclass(frozen=True)
+class ItemMarker:
+    """Where a media item sits in a chat sent to an engine: the item itself is the request's
+    next :class:`EncodedItem`; its media went to the encoder only."""
+
+    modality: Modality
+
+
+ContentPart = TextPart | MediaInput | ItemMarker  # ItemMarker: in an EngineRequest's chat only
 
 
 @dataclass(frozen=True)
@@ -293,3 +304,9 @@ class GenerateRequest:
     def media(self) -> list[MediaInput]:
         """Media items in prompt order."""
         return [p for m in self.messages for p in m.parts if isinstance(p, MediaInput)]
+
+    def engine_chat(self) -> tuple[ChatMessage, ...]:
+        """The chat as the engines get it: each media item replaced by its marker."""
+        return tuple(
+            ChatMessage(m.role, tuple(ItemMarker(p.modality) if isinstance(p, MediaInput) else p for p in m.parts)) for m in self.messages
+        )

@@ -1,9 +1,11 @@
 """Renders chats into prompt token ids with the model's own chat template: one placeholder per
 media item, where the template puts it.
 
-The gateway renders every request here, so that all stages (and the monolithic oracle) start
-from the very same token ids; vLLM's processor in each engine expands the placeholders. The
-encoder renders a prompt of just its items, so its engine finds one placeholder per item.
+The engine that prefills a request renders its chat here: the prefill (E/P/D), the decode or
+combined instance (E+PD), the monolithic oracle; the decode of an E/P/D request is given the
+token ids its prefill rendered. The gateway sends the chat with a marker where each item goes
+and needs no tokenizer. vLLM's processor in each engine expands the placeholders. The encoder
+renders a prompt of just its items, so its engine finds one placeholder per item.
 
 User text is tokenized as plain text: a ``<|im_start|>`` typed by a user becomes the tokens
 of those characters, never the control token, so no one can forge a turn or a system prompt.
@@ -14,9 +16,8 @@ the sentinel instead; the Qwen-style templates insert text verbatim.
 
 Tokenizing is serialized per renderer: a fast tokenizer's ``encode`` sets
 ``split_special_tokens`` on the one Rust tokenizer every thread shares, so two renders at once
-could tokenize the template's markup as text (or a user's text as markup). The gateway renders
-long chats in worker threads; this race once made concurrent requests' tokens differ from
-monolithic.
+could tokenize the template's markup as text (or a user's text as markup). Long chats render in
+worker threads; this race once made concurrent requests' tokens differ from monolithic.
 """
 
 from __future__ import annotations
@@ -34,29 +35,27 @@ _SENTINELS = re.compile("\ue000(\\d+)\ue001")
 
 
 class PromptRenderer:
-    def __init__(self, model_dir: str, *, max_prompt_bytes: int = 0, max_prompt_tokens: int = 0):
-        """``max_prompt_bytes``: refuse chats whose text exceeds it, before any tokenizing;
-        ``max_prompt_tokens``: refuse rendered prompts longer than this (the model's context:
-        media only add tokens). 0 disables either."""
+    def __init__(self, model_dir: str, *, max_prompt_tokens: int = 0):
+        """``max_prompt_tokens``: refuse rendered prompts longer than this (the model's context:
+        media only add tokens); 0: unchecked."""
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self._tokenizing = threading.Lock()  # see the module docstring
-        self.max_prompt_bytes = max_prompt_bytes
         self.max_prompt_tokens = max_prompt_tokens
 
-    async def render_on_loop(self, messages: Sequence[ChatMessage]) -> list[int]:
+    async def render_on_loop(self, messages: Sequence[ChatMessage], field: str = "messages") -> list[int]:
         """:meth:`render` from an event loop: a short chat in place, a long one in a worker thread."""
-        return await run_sized(chat_text_bytes(messages), INLINE_TEXT_BYTES, self.render, messages)
+        return await run_sized(chat_text_bytes(messages), INLINE_TEXT_BYTES, self.render, messages, field)
 
-    def render(self, messages: Sequence[ChatMessage]) -> list[int]:
+    def render(self, messages: Sequence[ChatMessage], field: str = "messages") -> list[int]:
         """The chat, ready for the assistant's reply. Slow for long chats: never on an event loop
-        (:meth:`render_on_loop`).
+        (:meth:`render_on_loop`). Media parts (or their markers) become one placeholder each.
 
         Raises:
-            InvalidArgument: the chat is over a size limit.
+            InvalidArgument: the chat renders to more tokens than the model's context (the
+                violation names ``field``, where the caller's request holds the chat).
         """
-        self.check_size(messages)
         texts: list[str] = []
 
         def content(part) -> dict:
@@ -76,18 +75,8 @@ class PromptRenderer:
                 elif segment:
                     ids += self.tokenizer.encode(segment, add_special_tokens=False)
         if self.max_prompt_tokens and len(ids) > self.max_prompt_tokens:
-            raise InvalidArgument.for_field("messages", f"render to {len(ids)} prompt tokens before any media, over the model's context of {self.max_prompt_tokens}")
+            raise InvalidArgument.for_field(field, f"render to {len(ids)} prompt tokens before any media, over the model's context of {self.max_prompt_tokens}")
         return ids
-
-    def check_size(self, messages: Sequence[ChatMessage]) -> None:
-        """Refuses a chat whose text is over ``max_prompt_bytes``; cheap (no tokenizing).
-
-        Raises:
-            InvalidArgument: the chat is over the limit.
-        """
-        size = chat_text_bytes(messages)
-        if self.max_prompt_bytes and size > self.max_prompt_bytes:
-            raise InvalidArgument.for_field("messages", f"hold {size} bytes of text, over the gateway's limit of {self.max_prompt_bytes} (--max-prompt-bytes)")
 
     def render_items(self, modalities: Sequence[Modality]) -> list[int]:
         """A prompt holding one placeholder per item, in order, and nothing to generate from."""
@@ -95,6 +84,17 @@ class PromptRenderer:
         text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=False)
         with self._tokenizing:
             return self.tokenizer.encode(text, add_special_tokens=False)
+
+
+def check_chat_size(messages: Sequence[ChatMessage], max_bytes: int) -> None:
+    """Refuses a chat whose text is over ``max_bytes`` (0: no limit); cheap, no tokenizing.
+
+    Raises:
+        InvalidArgument: the chat is over the limit.
+    """
+    size = chat_text_bytes(messages)
+    if max_bytes and size > max_bytes:
+        raise InvalidArgument.for_field("messages", f"hold {size} bytes of text, over the gateway's limit of {max_bytes} (--max-prompt-bytes)")
 
 
 def chat_text_bytes(messages: Sequence[ChatMessage]) -> int:

@@ -5,6 +5,7 @@ behind them sees a protobuf message. Parsing functions validate and raise
 from __future__ import annotations
 
 import uuid
+from collections.abc import Sequence
 
 from google.protobuf import json_format, timestamp_pb2
 
@@ -18,6 +19,7 @@ from epd.domain import (
     GenerateRequest,
     GridThw,
     InlineEmbedding,
+    ItemMarker,
     ItemMetadata,
     KvHandoff,
     MediaFile,
@@ -67,6 +69,7 @@ _ROLE_FROM_WIRE = {
     gateway_pb2.ROLE_USER: Role.USER,
     gateway_pb2.ROLE_ASSISTANT: Role.ASSISTANT,
 }
+_ROLE_TO_WIRE = {Role.SYSTEM: gateway_pb2.ROLE_SYSTEM, Role.USER: gateway_pb2.ROLE_USER, Role.ASSISTANT: gateway_pb2.ROLE_ASSISTANT}
 _MEDIA_FIELDS = {"image": Modality.IMAGE, "video": Modality.VIDEO, "audio": Modality.AUDIO}
 _PCM_FROM_WIRE = {multimodal_pb2.PCM_ENCODING_S16LE: PcmEncoding.S16LE, multimodal_pb2.PCM_ENCODING_F32LE: PcmEncoding.F32LE}
 _PCM_TO_WIRE = {v: k for k, v in _PCM_FROM_WIRE.items()}
@@ -519,16 +522,62 @@ def _integral_floats_to_int(values: dict) -> dict:
 def _engine_request_from_wire(msg) -> EngineRequest:
     if not msg.request_id:
         raise InvalidArgument.for_field("request_id", "is required")
-    if not msg.prompt.token_ids:
-        raise InvalidArgument.for_field("prompt.token_ids", "must not be empty")
     kv = kv_handoff_from_wire(msg.kv_handoff) if getattr(msg, "kv_handoff", None) and msg.HasField("kv_handoff") else None
+    items = tuple(encoded_items_from_wire(msg.items))
     return EngineRequest(
         request_id=msg.request_id,
-        prompt_token_ids=tuple(msg.prompt.token_ids),
-        items=tuple(encoded_items_from_wire(msg.items)),
+        items=items,
         sampling=sampling_from_wire(msg.sampling),
+        prompt_token_ids=tuple(msg.prompt.token_ids),
+        chat=_engine_chat_from_wire(msg.prompt, items),
         kv_handoff=kv,
     )
+
+
+def _engine_chat_from_wire(prompt: engine_pb2.EnginePrompt, items: tuple[EncodedItem, ...]) -> tuple[ChatMessage, ...]:
+    """The prompt's chat, checked: roles known, every part set, one marker per item, in order."""
+    if bool(prompt.token_ids) == bool(prompt.chat):
+        raise InvalidArgument.for_field("prompt", "set exactly one of token_ids and chat")
+    violations: list[FieldViolation] = []
+    messages: list[ChatMessage] = []
+    markers: list[Modality] = []
+    for mi, message in enumerate(prompt.chat):
+        field = f"prompt.chat[{mi}]"
+        if message.role not in _ROLE_FROM_WIRE:
+            violations.append(FieldViolation(f"{field}.role", f"unknown role {message.role}"))
+        parts: list = []
+        for pi, part in enumerate(message.parts):
+            kind = part.WhichOneof("content")
+            if kind == "text":
+                parts.append(TextPart(part.text))
+            elif kind == "item" and part.item in _MODALITY_FROM_WIRE:
+                markers.append(_MODALITY_FROM_WIRE[part.item])
+                parts.append(ItemMarker(markers[-1]))
+            else:
+                violations.append(FieldViolation(f"{field}.parts[{pi}]", "is neither text nor an item of a known modality"))
+        messages.append(ChatMessage(_ROLE_FROM_WIRE.get(message.role, Role.USER), tuple(parts)))
+    if prompt.chat and markers != [item.metadata.modality for item in items]:
+        violations.append(
+            FieldViolation("prompt.chat", f"marks items {[m.value for m in markers]}, but the request's items are {[i.metadata.modality.value for i in items]}")
+        )
+    if violations:
+        raise InvalidArgument("invalid prompt: " + "; ".join(f"{v.field} {v.description}" for v in violations), violations)
+    return tuple(messages)
+
+
+def engine_prompt_to_wire(token_ids: Sequence[int] = (), chat: Sequence[ChatMessage] = ()) -> engine_pb2.EnginePrompt:
+    """An engine prompt: token ids, or a chat whose media parts are item markers."""
+    messages = [
+        engine_pb2.EngineChatMessage(
+            role=_ROLE_TO_WIRE[message.role],
+            parts=[
+                engine_pb2.EngineChatPart(text=part.text) if isinstance(part, TextPart) else engine_pb2.EngineChatPart(item=_MODALITY_TO_WIRE[part.modality])
+                for part in message.parts
+            ],
+        )
+        for message in chat
+    ]
+    return engine_pb2.EnginePrompt(token_ids=list(token_ids), chat=messages)
 
 
 def prefill_request_from_wire(msg: prefill_pb2.PrefillRequest) -> EngineRequest:
@@ -542,7 +591,7 @@ def decode_request_from_wire(msg: decode_pb2.DecodeRequest) -> EngineRequest:
 def prefill_request_to_wire(request: EngineRequest) -> prefill_pb2.PrefillRequest:
     return prefill_pb2.PrefillRequest(
         request_id=request.request_id,
-        prompt=engine_pb2.EnginePrompt(token_ids=list(request.prompt_token_ids)),
+        prompt=engine_prompt_to_wire(request.prompt_token_ids, request.chat),
         items=[encoded_item_to_wire(i) for i in request.items],
         sampling=sampling_to_wire(request.sampling),
     )
@@ -552,7 +601,7 @@ def decode_request_to_wire(request: EngineRequest) -> decode_pb2.DecodeRequest:
     """Decode with a KV handoff gets metadata only; combined decode also gets the handles."""
     msg = decode_pb2.DecodeRequest(
         request_id=request.request_id,
-        prompt=engine_pb2.EnginePrompt(token_ids=list(request.prompt_token_ids)),
+        prompt=engine_prompt_to_wire(request.prompt_token_ids, request.chat),
         items=[encoded_item_to_wire(i, with_embedding=request.kv_handoff is None) for i in request.items],
         sampling=sampling_to_wire(request.sampling),
     )

@@ -10,8 +10,8 @@ clients (``gateway.stages``) own the wire, the errors and the deadlines.
   and the benchmarks' baseline; no encoder, no NIXL.
 
 Each pipeline turns a :class:`GenerateRequest` into a stream of :class:`Delta` events followed
-by one :class:`Finished`. The gateway knows no model: it renders the chat template, and vLLM's
-processor in each engine expands the placeholders.
+by one :class:`Finished`. The gateway knows no model: the engine that prefills renders the chat
+with its model's template (``epd.prompt``), and vLLM's processor there expands the placeholders.
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ import enum
 import logging
 import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 
 from epd import telemetry, wire
 from epd.domain import EncodedItem, EngineRequest, FinishReason, GenerateRequest, KvHandoff
 from epd.errors import Aborted, FieldViolation, InvalidArgument, Unavailable
 from epd.media import MediaLimits, check_modalities, check_sizes_and_types
 from epd.media.decode import MediaDecoder, vllm_input
-from epd.prompt import PromptRenderer
+from epd.prompt import PromptRenderer, check_chat_size
 from gateway.router import RetryPolicy
 from gateway.stages import DecodeClient, DecodeEnd, EncoderClient, Leases, PrefillClient, StageFailed, time_left
 
@@ -149,23 +149,23 @@ class DisaggregatedPipeline:
     def __init__(
         self,
         mode: Mode,
-        renderer: PromptRenderer,
         limits: MediaLimits,
         encoders: EncoderClient,
         prefills: PrefillClient | None,
         decodes: DecodeClient,
         *,
         retry: RetryPolicy,
+        max_prompt_bytes: int = 0,
         forward_media: bool = False,
         local_prefill_fallback: bool = False,
     ):
         self.mode = mode
-        self.renderer = renderer
         self.limits = limits
         self.encoders = encoders
         self.prefills = prefills
         self.decodes = decodes
         self.retry = retry
+        self.max_prompt_bytes = max_prompt_bytes
         # The benchmarks' baseline: later stages get every item's media and lay it out from it.
         self.forward_media = forward_media
         self.local_prefill_fallback = local_prefill_fallback
@@ -181,14 +181,11 @@ class DisaggregatedPipeline:
         failure ends the stream, saying how many tokens were sent."""
         clock = clock or RequestClock()
         check_media(request, self.limits)
-        self.renderer.check_size(request.messages)
-        prompt = asyncio.ensure_future(self._render(request))
-        # Read even when an attempt fails before it would: an error nobody reads is logged.
-        prompt.add_done_callback(lambda done: done.cancelled() or done.exception())
+        check_chat_size(request.messages, self.max_prompt_bytes)
         avoid: set[str] = set()
         for attempt in range(1, self.retry.max_attempts + 1):
             try:
-                async with contextlib.aclosing(self._attempt(request, prompt, clock, frozenset(avoid), deadline)) as events:
+                async with contextlib.aclosing(self._attempt(request, clock, frozenset(avoid), deadline)) as events:
                     async for event in events:
                         yield event
                 return
@@ -208,19 +205,7 @@ class DisaggregatedPipeline:
                 telemetry.RETRIES.labels(stage=stage).inc()
                 await asyncio.sleep(delay)
 
-    def _render(self, request: GenerateRequest) -> Awaitable[list[int]]:
-        """The prompt's token ids. With media they are first needed once the encoder has
-        answered, so they render meanwhile, in a thread: a render on the event loop would run
-        before the encode call goes out (grpc.aio sends it from a task of its own). A chat that
-        fails to render (over the context) is refused once its encode returns, and the attempt
-        releases its leases."""
-        if request.media:
-            return asyncio.to_thread(self.renderer.render, request.messages)
-        return self.renderer.render_on_loop(request.messages)
-
-    async def _attempt(
-        self, request: GenerateRequest, prompt: asyncio.Future, clock: RequestClock, avoid: frozenset[str], deadline: float | None
-    ) -> AsyncIterator[Event]:
+    async def _attempt(self, request: GenerateRequest, clock: RequestClock, avoid: frozenset[str], deadline: float | None) -> AsyncIterator[Event]:
         leases = Leases()
         handoff: KvHandoff | None = None
         prefill_address = ""  # the instance holding the handoff's KV
@@ -237,12 +222,14 @@ class DisaggregatedPipeline:
                 # vLLM 0.32 cannot mix metadata-only and raw items in one prompt (its processor
                 # then misses the metadata-only ones), so one item that needs its media sends all.
                 items = [dataclasses.replace(item, forwarded_media=media) for item, media in zip(items, request.media, strict=True)]
-            engine_request = EngineRequest(request.request_id, tuple(await prompt), tuple(items), request.sampling)
+            engine_request = EngineRequest(request.request_id, tuple(items), request.sampling, chat=request.engine_chat())
             if self.prefills is not None and not self._prefill_on_decode(request.request_id):
                 started = time.perf_counter()
-                handoff, prefill_address = await self.prefills.prefill(engine_request, deadline, avoid)
+                prefilled = await self.prefills.prefill(engine_request, deadline, avoid)
+                handoff, prefill_address = prefilled.kv_handoff, prefilled.address
                 clock.timings.prefill = time.perf_counter() - started
-                engine_request = dataclasses.replace(engine_request, kv_handoff=handoff)
+                # The decode runs the very token ids whose KV the prefill left.
+                engine_request = dataclasses.replace(engine_request, prompt_token_ids=prefilled.prompt_token_ids, chat=(), kv_handoff=handoff)
             clock.decoding()
             try:
                 async for event in self.decodes.decode(engine_request, deadline, avoid):
@@ -284,9 +271,10 @@ class MonolithicPipeline:
     """One in-process vLLM engine, given the raw media: the oracle and the baseline. It decodes
     with the encoder's own decoder, so both paths start from the same frames and samples."""
 
-    def __init__(self, renderer: PromptRenderer, limits: MediaLimits, decoder: MediaDecoder, engine):
+    def __init__(self, renderer: PromptRenderer, limits: MediaLimits, decoder: MediaDecoder, engine, *, max_prompt_bytes: int = 0):
         self.renderer = renderer
         self.limits = limits
+        self.max_prompt_bytes = max_prompt_bytes
         self.decoder = decoder
         self.engine = engine
 
@@ -296,6 +284,7 @@ class MonolithicPipeline:
     async def generate(self, request: GenerateRequest, deadline: float | None, clock: RequestClock | None = None) -> AsyncIterator[Event]:
         clock = clock or RequestClock()
         check_media(request, self.limits)
+        check_chat_size(request.messages, self.max_prompt_bytes)
         prompt: dict = {"prompt_token_ids": await self.renderer.render_on_loop(request.messages)}
         media = request.media
         if media:

@@ -24,7 +24,7 @@ from gateway.stages import DecodeClient, EncoderClient, PrefillClient
 
 @dataclasses.dataclass(frozen=True)
 class GatewayConfig:
-    model: str
+    model: str  # monolithic: the checkpoint it serves; otherwise the model's name in the HTTP front (no files are read)
     mode: Mode
     encoders: tuple[str, ...] = ()
     prefills: tuple[str, ...] = ()
@@ -38,14 +38,10 @@ class GatewayConfig:
     local_prefill_fallback: bool = False
     auth_token_file: str = ""  # clients must send this file's token; empty: no token required
     max_prompt_bytes: int = 1024 * 1024  # text of one chat, checked before tokenizing
-    max_prompt_tokens: int = 0  # the model's context (the CLI passes --max-model-len); 0: unchecked
+    max_prompt_tokens: int = 0  # the model's context (the CLI passes --max-model-len): monolithic refuses longer prompts; the HTTP front's default max_tokens
     http_port: int = -1  # the OpenAI-compatible HTTP front (gateway/openai_front.py) on --host; -1: off, 0: a free port
     allowed_media_domains: tuple[str, ...] = ()  # hosts the HTTP front fetches media URLs from; empty: URLs refused
     media_fetch_timeout_s: float = 10.0  # for all remote media of one request, redirects included
-
-
-def _renderer(config: GatewayConfig) -> PromptRenderer:
-    return PromptRenderer(config.model, max_prompt_bytes=config.max_prompt_bytes, max_prompt_tokens=config.max_prompt_tokens)
 
 
 def _disaggregated(config: GatewayConfig, host: GrpcHost, credentials: grpc.ChannelCredentials | None) -> DisaggregatedPipeline:
@@ -79,12 +75,12 @@ def _disaggregated(config: GatewayConfig, host: GrpcHost, credentials: grpc.Chan
         prefills = PrefillClient(pool("prefill", config.prefills, prefill_pb2, "PrefillService", prefill_pb2_grpc.PrefillServiceStub))
     return DisaggregatedPipeline(
         config.mode,
-        _renderer(config),
         config.limits,
         encoders=EncoderClient(pool("encoder", config.encoders, encoder_pb2, "EncoderService", encoder_pb2_grpc.EncoderServiceStub)),
         prefills=prefills,
         decodes=DecodeClient(pool("decode", config.decodes, decode_pb2, "DecodeService", decode_pb2_grpc.DecodeServiceStub)),
         retry=config.retry,
+        max_prompt_bytes=config.max_prompt_bytes,
         forward_media=config.forward_media,
         local_prefill_fallback=config.local_prefill_fallback,
     )
@@ -116,7 +112,8 @@ async def serve(config: GatewayConfig, server: ServerConfig, engine_config: Engi
             servicer.pipeline = _disaggregated(config, host, channel_credentials(server.tls))
         else:
             decoder = MediaDecoder.for_model(config.model, config.limits)
-            servicer.pipeline = MonolithicPipeline(_renderer(config), config.limits, decoder, engine)
+            renderer = PromptRenderer(config.model, max_prompt_tokens=config.max_prompt_tokens)
+            servicer.pipeline = MonolithicPipeline(renderer, config.limits, decoder, engine, max_prompt_bytes=config.max_prompt_bytes)
 
     async def close_pipeline() -> None:
         if front is not None:

@@ -20,7 +20,7 @@ import grpc
 from opentelemetry.trace import SpanKind
 
 from epd import telemetry, wire
-from epd.domain import EncodedItem, EngineRequest, FinishReason, KvHandoff, MediaInput
+from epd.domain import EncodedItem, EngineRequest, FinishReason, ItemMarker, KvHandoff, MediaInput
 from epd.errors import DeadlineExceeded, EpdError, FieldViolation, InvalidArgument, Unavailable, from_rpc_error
 from epd.v1 import decode_pb2, encoder_pb2
 from gateway.router import StagePool
@@ -124,35 +124,46 @@ class EncoderClient:
                 logger.warning("could not release the leases of %d calls on %s (they expire by TTL): %s", len(keys), address, reason)
 
 
-_TEXT_PREFIX_TOKENS = 64
+_TEXT_PREFIX_CHARS = 256
 
 
 def prefix_affinity_key(request: EngineRequest) -> str:
-    """What a prefill instance's caches could reuse for this request: the prompt up to its first
+    """What a prefill instance's caches could reuse for this request: the chat up to its first
     item, and that item (vLLM's prefix cache then holds the KV of both, and its encoder cache the
-    item), or, with no item, the first tokens. The turns of one chat share it, as do requests
-    with one system prompt and image; bounded load keeps a hot key from overloading one prefill."""
-    if not request.items:
-        return str(request.prompt_token_ids[:_TEXT_PREFIX_TOKENS])
-    first = request.items[0].metadata
-    tokens = request.prompt_token_ids
-    end = tokens.index(first.placeholder_token_id) if first.placeholder_token_id in tokens else 0
-    return f"{first.content_hash}:{tokens[:end]}"
+    item), or, with no item, the chat's first characters. The turns of one chat share it, as do
+    requests with one system prompt and image; bounded load keeps a hot key from overloading one
+    prefill."""
+    prefix: list[str] = []
+    for message in request.chat:
+        for part in message.parts:
+            if isinstance(part, ItemMarker):
+                return f"{request.items[0].metadata.content_hash}:{''.join(prefix)}"
+            prefix.append(f"{message.role.value}:{part.text}\x00")
+    return "".join(prefix)[:_TEXT_PREFIX_CHARS]
+
+
+@dataclasses.dataclass(frozen=True)
+class Prefilled:
+    """A prefill's result: the KV handoff, the prompt as the prefill rendered it (the decode
+    must run exactly these token ids), and the instance that holds the KV."""
+
+    kv_handoff: KvHandoff
+    prompt_token_ids: tuple[int, ...]
+    address: str
 
 
 class PrefillClient:
     def __init__(self, pool: StagePool):
         self.pool = pool
 
-    async def prefill(self, request: EngineRequest, deadline: float | None, avoid: frozenset[str] = frozenset()) -> tuple[KvHandoff, str]:
-        """The KV handoff, and the prefill instance that holds the KV."""
+    async def prefill(self, request: EngineRequest, deadline: float | None, avoid: frozenset[str] = frozenset()) -> Prefilled:
         address = self.pool.pick_for_key(prefix_affinity_key(request), avoid)
         with self.pool.busy(address) as stub, _tracer.start_as_current_span("prefill", kind=SpanKind.CLIENT):
             try:
                 response = await stub.Prefill(wire.prefill_request_to_wire(request), timeout=time_left(deadline), metadata=telemetry.trace_metadata())
             except grpc.aio.AioRpcError as exc:
-                raise _stage_error(self.pool, address, exc, deadline) from exc
-        return wire.kv_handoff_from_wire(response.kv_handoff), address
+                raise _public_chat_fields(_stage_error(self.pool, address, exc, deadline)) from exc
+        return Prefilled(wire.kv_handoff_from_wire(response.kv_handoff), tuple(response.prompt_token_ids), address)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +206,7 @@ class DecodeClient:
                 else:
                     raise StageFailed("decode", address, f"decode {address} ended its stream without a finish reason")
             except grpc.aio.AioRpcError as exc:
-                raise _stage_error(self.pool, address, exc, deadline) from exc
+                raise _public_chat_fields(_stage_error(self.pool, address, exc, deadline)) from exc
             except BaseException:
                 call.cancel()
                 raise
@@ -251,3 +262,12 @@ def _remap_item_fields(error: EpdError, paths: list[str]) -> EpdError:
         violations.append(FieldViolation(field, v.description))
     message = "; ".join(f"{v.field} {v.description}" for v in violations) or error.message
     return InvalidArgument(f"invalid media: {message}", violations)
+
+
+def _public_chat_fields(error: EpdError) -> EpdError:
+    """Rewrites an engine's ``prompt.chat`` field paths into the public request's
+    ``messages``: the gateway sends the chat turn for turn and part for part."""
+    if not isinstance(error, InvalidArgument) or not any(v.field.startswith("prompt.chat") for v in error.violations):
+        return error
+    violations = [FieldViolation("messages" + v.field[len("prompt.chat") :], v.description) if v.field.startswith("prompt.chat") else v for v in error.violations]
+    return InvalidArgument("; ".join(f"{v.field} {v.description}" for v in violations), violations)

@@ -4,8 +4,10 @@ A decode instance serves both patterns: E/P/D requests carry a KV handoff, and E
 (none) it prefills itself, so one decode pool can back both gateway modes. Combined mode is E+PD
 only, with no KV connector.
 
-A stage turns an :class:`EngineRequest` (prompt token ids with one placeholder per item, item
-metadata, embedding locations, a KV handoff) into vLLM's prompt: each item becomes vLLM's
+A stage turns an :class:`EngineRequest` (a chat, or its token ids, with one placeholder per item;
+item metadata, embedding locations, a KV handoff) into vLLM's prompt. A chat is rendered here,
+with the model's own template (``epd.prompt``), and a prefill returns the token ids it rendered
+so that its decode runs exactly them. Each item becomes vLLM's
 metadata-only item, built from the fields this model declares (``epd.mm_items``), under its
 content hash; vLLM's processor expands the placeholders from them exactly as the encoder's vLLM
 did from the media. The expanded layout is then checked against the encoder's before anything
@@ -32,6 +34,7 @@ from epd.engine import Engine, EngineRole, EngineStep, RenderedPrompt, kv_params
 from epd.errors import Aborted, FailedPrecondition, FieldViolation, InvalidArgument, Unavailable
 from epd.media import MediaLimits
 from epd.mm_items import batch_fields, vllm_fields
+from epd.prompt import PromptRenderer
 from epd.transport.ec_params import ExpectedItem, expected_to_params
 
 # A decode engine keeps a prefill's KV lease alive with heartbeats, the first one an engine step
@@ -44,7 +47,8 @@ _KV_TAKE_MARGIN_S = 3.0
 class PrefillResult:
     first_token_id: int
     kv_handoff: KvHandoff
-    prompt_token_count: int
+    prompt_token_ids: tuple[int, ...]  # as rendered, placeholders unexpanded: what its decode runs
+    prompt_token_count: int  # expanded
     engine_s: float
 
 
@@ -53,13 +57,15 @@ class EngineStage:
         self.engine = engine
         self.role = engine.config.role
         self.allow_inline = allow_inline
+        self.renderer = PromptRenderer(engine.config.model, max_prompt_tokens=engine.config.max_model_len)
         self._decoder = None  # built on the first forwarded media only
         self._used_handoffs = UsedHandoffs()
 
     async def prefill(self, request: EngineRequest) -> PrefillResult:
         """Prefills and leaves the KV for a decode engine."""
         self._check_role(request)
-        prompt = await self._prompt(request)
+        token_ids = await self._token_ids(request)
+        prompt = await self._prompt(request, token_ids)
         started = time.perf_counter()
         last: EngineStep | None = None
         async for step in self.engine.generate(
@@ -68,7 +74,7 @@ class EngineStage:
             last = step
         if last is None or last.kv_handoff is None or not last.token_ids:
             raise Unavailable("prefill engine finished without a KV handoff")
-        return PrefillResult(last.token_ids[0], last.kv_handoff, last.prompt_token_count, time.perf_counter() - started)
+        return PrefillResult(last.token_ids[0], last.kv_handoff, token_ids, last.prompt_token_count, time.perf_counter() - started)
 
     async def decode(self, request: EngineRequest) -> AsyncIterator[EngineStep]:
         """Streams the reply: from a KV handoff (decode mode), or the whole generation (E+PD:
@@ -76,7 +82,7 @@ class EngineStage:
         self._check_role(request)
         if request.kv_handoff is not None:
             await _check_resolvable(request.kv_handoff)
-        prompt = await self._prompt(request)
+        prompt = await self._prompt(request, await self._token_ids(request))
         kv_params = None
         if request.kv_handoff is not None:
             _check_lease_left(request.kv_handoff)
@@ -105,6 +111,9 @@ class EngineStage:
         if request.kv_handoff is not None:
             if self.role is not EngineRole.DECODE:
                 raise FailedPrecondition(f"this {self.role.value} service cannot take a kv_handoff")
+            if not request.prompt_token_ids:
+                # Rendered again here, a chat could come out other than the KV's tokens.
+                raise InvalidArgument.for_field("prompt.token_ids", "is required with a kv_handoff: the prompt_token_ids its prefill returned")
             return  # the KV holds the embeddings; handles are ignored
         violations = []
         for index, item in enumerate(request.items):
@@ -125,7 +134,13 @@ class EngineStage:
             }
         )
 
-    async def _prompt(self, request: EngineRequest) -> RenderedPrompt:
+    async def _token_ids(self, request: EngineRequest) -> tuple[int, ...]:
+        """The prompt's token ids, the chat rendered here if it came as one."""
+        if request.prompt_token_ids:
+            return request.prompt_token_ids
+        return tuple(await self.renderer.render_on_loop(request.chat, "prompt.chat"))
+
+    async def _prompt(self, request: EngineRequest, token_ids: tuple[int, ...]) -> RenderedPrompt:
         """vLLM's prompt for the request, rendered, with its layout checked against the encoder's."""
         data: dict[str, list] = defaultdict(list)
         uuids: dict[str, list[str]] = defaultdict(list)
@@ -145,11 +160,12 @@ class EngineStage:
             if any(isinstance(v, dict) for v in values) and not all(isinstance(v, dict) for v in values):
                 raise InvalidArgument.for_field("items", f"{modality} items must all come as metadata or all with their media")
             multi_modal_data[modality] = batch_fields(values) if isinstance(values[0], dict) else values
-        prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
+        prompt = {"prompt_token_ids": list(token_ids)}
         if multi_modal_data:
             prompt.update(multi_modal_data=multi_modal_data, multi_modal_uuids=dict(uuids))
-        rendered = await self.engine.render(prompt, "items" if request.items else "prompt.token_ids")
-        _check_layout(request.items, rendered)
+        source = "prompt.token_ids" if request.prompt_token_ids else "prompt.chat"
+        rendered = await self.engine.render(prompt, "items" if request.items else source)
+        _check_layout(request.items, rendered, source)
         return rendered
 
     async def _decode_forwarded(self, items: list[tuple[int, EncodedItem]]) -> dict[int, object]:
@@ -222,14 +238,14 @@ async def _check_resolvable(handoff: KvHandoff, timeout_s: float = 5.0) -> None:
         raise InvalidArgument.for_field("kv_handoff.remote_host", f"{handoff.remote_host!r} does not resolve ({exc.__class__.__name__})") from exc
 
 
-def _check_layout(items: tuple[EncodedItem, ...], rendered: RenderedPrompt) -> None:
+def _check_layout(items: tuple[EncodedItem, ...], rendered: RenderedPrompt, source: str) -> None:
     """This engine must lay every item out as the encoder's did: same run, same row count.
 
     A mismatch means forged or corrupted metadata, or encoder and stage disagreeing on the
     model; either way the request must not run.
     """
     if len(rendered.placeholders) != len(items):
-        raise InvalidArgument.for_field("prompt.token_ids", f"holds {len(rendered.placeholders)} media placeholders but the request has {len(items)} items")
+        raise InvalidArgument.for_field(source, f"holds {len(rendered.placeholders)} media placeholders but the request has {len(items)} items")
     violations = []
     for index, (item, (modality, length, rows)) in enumerate(zip(items, rendered.placeholders, strict=True)):
         meta = item.metadata

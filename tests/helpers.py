@@ -75,14 +75,13 @@ async def encode_then_prefill(family_stack, parts: list, mutate=None) -> grpc.ai
 
 async def prefill_directly(family_stack, parts: list, mutate=None):
     """Encodes a chat's media on the stack's encoder, lets ``mutate`` edit the encoded items
-    (protobuf ``EncodedItem`` list), then sends them to prefill directly in the prompt the
-    gateway would render, and returns that ``PrefillRequest`` and its ``PrefillResponse``; no
-    decode reads the KV unless the caller has one do so. Like the gateway, it gives back the
-    leases of a refused request (and raises its error)."""
+    (protobuf ``EncodedItem`` list), then sends them to prefill directly with the chat as the
+    gateway sends it (the prefill renders it), and returns that ``PrefillRequest`` and its
+    ``PrefillResponse``; no decode reads the KV unless the caller has one do so. Like the
+    gateway, it gives back the leases of a refused request (and raises its error)."""
     from epd import wire
     from epd.client import chat_request
-    from epd.prompt import PromptRenderer
-    from epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc, engine_pb2, prefill_pb2, prefill_pb2_grpc
+    from epd.v1 import common_pb2, encoder_pb2, encoder_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
     chat = wire.generate_request_from_wire(chat_request(parts, max_tokens=4))
     async with grpc.aio.insecure_channel(family_stack.encoder.address) as enc, grpc.aio.insecure_channel(family_stack.prefill.address) as pre:
@@ -92,7 +91,7 @@ async def prefill_directly(family_stack, parts: list, mutate=None):
             mutate(items)
         request = prefill_pb2.PrefillRequest(
             request_id=f"direct-{chat.request_id}",
-            prompt=engine_pb2.EnginePrompt(token_ids=PromptRenderer(family_stack.model).render(chat.messages)),
+            prompt=wire.engine_prompt_to_wire(chat=chat.engine_chat()),
             items=items,
             sampling=common_pb2.SamplingParams(max_tokens=4, temperature=0),
         )

@@ -10,11 +10,23 @@ import uuid
 import grpc
 import pytest
 
+from epd import wire
 from epd.client import chat_request, generate
-from epd.domain import MediaFile, content_hash
+from epd.domain import ChatMessage, ItemMarker, MediaFile, Modality, Role, TextPart, content_hash
 from epd.engine import Engine, EngineConfig, EngineRole
 from epd.testing import synthetic_image_png, synthetic_video
-from epd.v1 import common_pb2, decode_pb2, decode_pb2_grpc, encoder_pb2, encoder_pb2_grpc, engine_pb2, gateway_pb2, multimodal_pb2
+from epd.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    encoder_pb2,
+    encoder_pb2_grpc,
+    engine_pb2,
+    gateway_pb2,
+    multimodal_pb2,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
 from tests.helpers import encode_then_prefill, prefill_directly, violations, wait_for_metric
 
 PNG = synthetic_image_png(120, 90, seed=5)
@@ -59,7 +71,7 @@ BAD_REQUESTS = {
     "frames_fps_1e-300": (lambda: _frames(1e-300), "messages[0].parts[0].video.frames.fps"),
     "video_sampling_fps_nan": (lambda: _video_sampling_fps(float("nan")), "messages[0].parts[0].video.sampling.fps"),
     "prompt_over_the_context": (lambda: chat_request([OVER_CONTEXT], max_tokens=8), "messages"),
-    # Rendered while its image encodes: refused once the encode returns, its leases released.
+    # Rendered by the engine that prefills, once the image is encoded: its leases are released.
     "prompt_over_the_context_with_an_image": (lambda: chat_request([(PNG, "image/png"), OVER_CONTEXT], max_tokens=8), "messages"),
     "prompt_over_max_prompt_bytes": (lambda: chat_request([OVER_MAX_BYTES], max_tokens=8), "messages"),
 }
@@ -77,9 +89,9 @@ async def test_bad_request_gets_invalid_argument_with_field(family_stack, mode, 
 
 
 async def test_oversized_prompts_are_refused_while_a_concurrent_request_is_served(family_stack):
-    """Long prompts are refused (before any stage runs, or, rendered beside their media's
-    encode, once it returns), and tokenizing them never stalls the event loop other streams
-    share: a valid request sent alongside gets its exact tokens. No lease is left behind."""
+    """Long prompts are refused (over --max-prompt-bytes before any stage runs, over the context
+    by the engine that renders them), and tokenizing them never stalls the event loop other
+    streams share: a valid request sent alongside gets its exact tokens. No lease is left behind."""
     valid = chat_request([(PNG, "image/png"), "Describe."], max_tokens=16, min_tokens=16)
     oracle = await generate(family_stack.gateway_stub("monolithic"), valid, timeout=120)
     stub = family_stack.gateway_stub("epd")
@@ -95,7 +107,6 @@ async def test_oversized_prompts_are_refused_while_a_concurrent_request_is_serve
 
 async def test_user_text_cannot_inject_chat_control_tokens(family_stack):
     """A user who types the template's markup gets those characters, not a forged turn."""
-    from epd.domain import ChatMessage, Role, TextPart
     from epd.prompt import PromptRenderer
 
     renderer = PromptRenderer(family_stack.model)
@@ -108,7 +119,9 @@ async def test_user_text_cannot_inject_chat_control_tokens(family_stack):
     request = chat_request([forged], max_tokens=8, min_tokens=8)
     oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=120)
     assert oracle.finished.usage.prompt_tokens == len(ids)
-    assert (await generate(family_stack.gateway_stub("epd"), request, timeout=120)).token_ids == oracle.token_ids
+    result = await generate(family_stack.gateway_stub("epd"), request, timeout=120)  # rendered by the prefill
+    assert result.token_ids == oracle.token_ids
+    assert result.finished.usage.prompt_tokens == len(ids)
 
 
 def _forged_decode(**changes) -> decode_pb2.DecodeRequest:
@@ -193,7 +206,8 @@ async def test_a_kv_handoff_is_good_for_one_decode(family_stack):
         items = list(prefill.items)
         for item in items:
             item.ClearField("embedding")  # decode mode: metadata only
-        return decode_pb2.DecodeRequest(request_id=prefill.request_id, prompt=prefill.prompt, items=items, sampling=prefill.sampling, kv_handoff=response.kv_handoff)
+        prompt = engine_pb2.EnginePrompt(token_ids=response.prompt_token_ids)  # as the prefill rendered the chat
+        return decode_pb2.DecodeRequest(request_id=prefill.request_id, prompt=prompt, items=items, sampling=prefill.sampling, kv_handoff=response.kv_handoff)
 
     async with grpc.aio.insecure_channel(family_stack.decode.address) as channel:
         stub = decode_pb2_grpc.DecodeServiceStub(channel)
@@ -211,6 +225,44 @@ async def test_a_kv_handoff_is_good_for_one_decode(family_stack):
             assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             assert "already decoded or released" in refused.value.details()
     assert (await generate(family_stack.gateway_stub("epd"), chat_request(parts, max_tokens=4), timeout=120)).token_ids == oracle.token_ids
+
+
+async def test_the_prefill_renders_the_chat_it_is_sent_as_the_oracle_does_and_refuses_a_malformed_one(family_stack):
+    """The gateway sends the chat; the prefill renders it with the model's template, returns
+    the token ids it ran (its decode gets exactly those), and refuses a chat that does not fit
+    the request's items, a prompt given both ways, and a KV handoff without the prefill's ids."""
+    from epd.prompt import PromptRenderer
+
+    parts = ["Look:", (PNG, "image/png"), "Describe it."]
+    request, response = await prefill_directly(family_stack, parts)
+    chat = wire.generate_request_from_wire(chat_request(parts, max_tokens=4))
+    assert list(response.prompt_token_ids) == PromptRenderer(family_stack.model).render(chat.messages)
+
+    def broken(prompt: engine_pb2.EnginePrompt) -> prefill_pb2.PrefillRequest:
+        forged = prefill_pb2.PrefillRequest()
+        forged.CopyFrom(request)
+        forged.prompt.CopyFrom(prompt)
+        return forged
+
+    no_marker = wire.engine_prompt_to_wire(chat=[ChatMessage(Role.USER, (TextPart("Describe it."),))])
+    a_video_marker = wire.engine_prompt_to_wire(chat=[ChatMessage(Role.USER, (ItemMarker(Modality.VIDEO), TextPart("Describe it.")))])
+    both = engine_pb2.EnginePrompt(token_ids=response.prompt_token_ids, chat=request.prompt.chat)
+    async with grpc.aio.insecure_channel(family_stack.prefill.address) as channel:
+        stub = prefill_pb2_grpc.PrefillServiceStub(channel)
+        for prompt, field in ((no_marker, "prompt.chat"), (a_video_marker, "prompt.chat"), (both, "prompt"), (engine_pb2.EnginePrompt(), "prompt")):
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.Prefill(broken(prompt), timeout=30)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+            assert violations(refused.value) == [field], refused.value.details()
+    chat_with_kv = decode_pb2.DecodeRequest(request_id="chat-with-kv", prompt=request.prompt, items=request.items, sampling=request.sampling, kv_handoff=response.kv_handoff)
+    async with grpc.aio.insecure_channel(family_stack.decode.address) as channel:
+        stub = decode_pb2_grpc.DecodeServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in stub.Decode(chat_with_kv, timeout=30):
+                pass
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert violations(refused.value) == ["prompt.token_ids"], refused.value.details()
+        await stub.ReleaseKv(decode_pb2.ReleaseKvRequest(request_id="chat-with-kv", kv_handoff=response.kv_handoff), timeout=10)
 
 
 async def test_metadata_that_the_model_lays_out_differently_fails_only_that_request(family_stack):

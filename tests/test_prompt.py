@@ -40,7 +40,7 @@ async def test_short_chats_render_on_the_loop_and_long_ones_in_a_thread():
     renderer = PromptRenderer(str(checkpoint(DEFAULT_FAMILY)))
     threads: list[int] = []
     render = renderer.render
-    renderer.render = lambda messages: threads.append(threading.get_ident()) or render(messages)  # type: ignore[method-assign]
+    renderer.render = lambda messages, field: threads.append(threading.get_ident()) or render(messages, field)  # type: ignore[method-assign]
     short = [ChatMessage(Role.USER, (TextPart("x" * INLINE_TEXT_BYTES),))]
     long = [ChatMessage(Role.USER, (TextPart("x" * (INLINE_TEXT_BYTES + 1)),))]
     assert await renderer.render_on_loop(short) == render(short)

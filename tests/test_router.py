@@ -18,7 +18,7 @@ from epd.media import MediaLimits
 from epd.v1 import encoder_pb2_grpc
 from gateway.pipeline import Delta, DisaggregatedPipeline, Mode
 from gateway.router import Health, RetryPolicy, StagePool
-from gateway.stages import DecodeEnd, DecodeStep, StageFailed
+from gateway.stages import DecodeEnd, DecodeStep, Prefilled, StageFailed
 
 
 def _pool(addresses, on_change=None) -> StagePool:
@@ -265,12 +265,14 @@ class _FirstDecodeFails:
     async def close(self) -> None:
         pass
 
-    async def prefill(self, request, deadline, avoid) -> tuple[KvHandoff, str]:
+    async def prefill(self, request, deadline, avoid) -> Prefilled:
+        assert request.chat and not request.prompt_token_ids  # the prefill renders the chat
         self.prefills.append(avoid)
         number = len(self.prefills)
-        return KvHandoff(f"prefill-{number}", ((1,),), "127.0.0.1", 5600, "r", 3, 1), f"prefill-{number}:1"
+        return Prefilled(KvHandoff(f"prefill-{number}", ((1,),), "127.0.0.1", 5600, "r", 3, 1), (1, 2, 3), f"prefill-{number}:1")
 
     async def decode(self, request, deadline, avoid):
+        assert request.prompt_token_ids == (1, 2, 3) and not request.chat  # the ids the prefill rendered
         if request.kv_handoff.remote_engine_id == "prefill-1":
             raise self.error
         yield DecodeStep([7, 8], "ab", 3)
@@ -283,17 +285,8 @@ class _FirstDecodeFails:
         pass  # a text-only request holds no embedding leases
 
 
-class _Renderer:
-    def check_size(self, messages) -> None:
-        pass
-
-    async def render_on_loop(self, messages) -> list[int]:
-        return [1, 2, 3]
-
-
 async def _run_once(stages: _FirstDecodeFails) -> list:
-    renderer = _Renderer()
-    pipeline = DisaggregatedPipeline(Mode.EPD, renderer, MediaLimits(), stages, stages, stages, retry=RetryPolicy(max_attempts=2, retry_backoff_s=0.001))
+    pipeline = DisaggregatedPipeline(Mode.EPD, MediaLimits(), stages, stages, stages, retry=RetryPolicy(max_attempts=2, retry_backoff_s=0.001))
     request = wire.generate_request_from_wire(chat_request(["hello"], max_tokens=2))
     return [event async for event in pipeline.generate(request, deadline=None)]
 

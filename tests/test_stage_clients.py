@@ -38,7 +38,7 @@ async def test_a_decode_call_is_read_to_its_status_not_cancelled_after_its_last_
     await server.start()
     pool = StagePool("decode", [f"127.0.0.1:{port}"], decode_pb2_grpc.DecodeServiceStub)
     try:
-        request = EngineRequest("r1", (1, 2, 3), (), Sampling(max_tokens=1))
+        request = EngineRequest("r1", (), Sampling(max_tokens=1), prompt_token_ids=(1, 2, 3))
         events = [event async for event in DecodeClient(pool).decode(request, deadline=None)]
         assert events == [DecodeStep([7], "x", 3), DecodeEnd(FinishReason.LENGTH, 3)]
         # The client left only once the call had ended: the handler ran to its end.

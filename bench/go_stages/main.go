@@ -40,6 +40,7 @@ const (
 	placeholders = 16
 	width        = 64
 	outputTokens = 16
+	promptTokens = 40 // the relays' prompt, and what the stand-in prefill renders a chat to
 	callTimeout  = 30 * time.Second
 )
 
@@ -84,7 +85,13 @@ type prefill struct {
 }
 
 func (prefill) Prefill(_ context.Context, request *epdv1.PrefillRequest) (*epdv1.PrefillResponse, error) {
-	count := uint32(len(request.GetPrompt().GetTokenIds()))
+	// A real prefill renders the chat it is sent and returns the token ids it ran; the stand-in
+	// returns as many ids as the bare relays send, in place of the rendering.
+	ids := request.GetPrompt().GetTokenIds()
+	if len(ids) == 0 {
+		ids = make([]uint32, promptTokens)
+	}
+	count := uint32(len(ids))
 	blocks := make([]uint32, 0, count/16+1)
 	for id := uint32(1); id < count/16+2; id++ {
 		blocks = append(blocks, id)
@@ -98,7 +105,7 @@ func (prefill) Prefill(_ context.Context, request *epdv1.PrefillRequest) (*epdv1
 		RemoteNumTokens:   count,
 		TpSize:            1,
 	}
-	return &epdv1.PrefillResponse{FirstTokenId: 1, KvHandoff: handoff, PromptTokenCount: count}, nil
+	return &epdv1.PrefillResponse{FirstTokenId: 1, KvHandoff: handoff, PromptTokenCount: count, PromptTokenIds: ids}, nil
 }
 
 type decode struct {
@@ -196,7 +203,7 @@ func main() {
 	case "relay":
 		conn, err := grpc.Dial(*stages, grpc.WithInsecure())
 		exitIf(err)
-		tokens := make([]uint32, 40)
+		tokens := make([]uint32, promptTokens)
 		for i := range tokens {
 			tokens[i] = uint32(i)
 		}

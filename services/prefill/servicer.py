@@ -18,11 +18,12 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         """Prefills one request and leaves its KV for the decode engine.
 
         Args:
-            request: prompt with one placeholder per item, items with embedding handles, sampling.
+            request: prompt (a chat, or its token ids) with one placeholder per item, items with
+                embedding handles, sampling.
             context: the RPC context; cancelling it aborts the engine request.
 
         Returns:
-            The first token, the KV handoff and timings.
+            The first token, the KV handoff, the prompt's token ids and timings.
         """
         if self.stage is None:
             raise Unavailable("prefill engine is still loading")
@@ -32,4 +33,5 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
             kv_handoff=wire.kv_handoff_to_wire(result.kv_handoff),
             prompt_token_count=result.prompt_token_count,
             engine_s=result.engine_s,
+            prompt_token_ids=result.prompt_token_ids,
         )
