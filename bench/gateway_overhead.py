@@ -32,8 +32,10 @@ Requests go one at a time (one image, 16 output tokens), so latency is not queue
   message; no parsing, template, routing, spans or metrics). It is the floor grpc.aio sets for
   the gateway's hop shape, so gateway minus relay (``added_by_epd_ms``) is what EPD's own code
   adds;
-- ``go_relay_*``: the same bare relay in grpc-go (``bench/go_stages -role relay``): what the hop
-  shape costs a compiled gRPC runtime on the same machine.
+- ``go_relay_*``: EPD's E/P/D data path alone in grpc-go (``bench/go_stages -role relay``: the
+  stages' real protocol, the chat to the prefill and its token ids to the decode, with none of
+  the gateway's other work): what the hop shape costs a compiled gRPC runtime on the same
+  machine. The serving experiments run it against real stages too.
 
 Stand-in stages are legitimate here and only here: this experiment times the gateway, not a
 model; the serving experiments run the real stages.
@@ -45,7 +47,6 @@ import asyncio
 import contextlib
 import json
 import multiprocessing
-import os
 import pathlib
 import subprocess
 import tempfile
@@ -55,6 +56,7 @@ import grpc
 import psutil
 
 from bench.common import RESULTS_DIR, progress, summarize, write_result
+from bench.compiled import build_go_stages, start_go, stop
 
 NAME = "gateway_overhead"
 MODEL_NAME = "qwen2_5_vl"  # a name only: the gateway reads no model file
@@ -63,30 +65,6 @@ DEFAULT_REQUESTS = 300
 QUICK_REQUESTS = 30
 WARMUP = 20
 GOAL_P50_MS = 2.0
-_ROOT = pathlib.Path(__file__).resolve().parents[1]
-_GOPATH = _ROOT / "sdk" / ".gopath"
-
-
-def _build_go_stages(out_dir: pathlib.Path) -> pathlib.Path:
-    """Builds ``bench/go_stages`` as ``scripts/gen_sdks.sh --check`` builds the Go client (GOPATH
-    mode, offline, against the generated SDK), generating the SDK first if it is missing."""
-    if not (_GOPATH / "src" / "epd" / "sdk" / "go" / "epd" / "v1").is_dir():
-        progress(f"{NAME}: no generated Go SDK; running scripts/gen_sdks.sh")
-        subprocess.run([str(_ROOT / "scripts" / "gen_sdks.sh")], check=True, timeout=900)
-    env = {**os.environ, "GO111MODULE": "off", "GOPROXY": "off", "GOFLAGS": "", "GOPATH": f"{_GOPATH}:/usr/share/gocode"}
-    binary = out_dir / "go_stages"
-    subprocess.run(["go", "build", "-o", str(binary), "."], cwd=_ROOT / "bench" / "go_stages", env=env, check=True, timeout=300)
-    return binary
-
-
-def _start_go(binary: pathlib.Path, *args: str) -> tuple[subprocess.Popen, str]:
-    """Starts ``go_stages`` and waits for the port it prints; (process, its address)."""
-    process = subprocess.Popen([str(binary), *args], stdout=subprocess.PIPE, text=True)
-    port = process.stdout.readline().strip()
-    if not port.isdigit():
-        process.kill()
-        raise RuntimeError(f"go_stages {' '.join(args)} printed {port!r} instead of its port (exit code {process.wait(10)})")
-    return process, f"127.0.0.1:{port}"
 
 
 def _serve_bare_relay(stage_address: str, ports: multiprocessing.Queue) -> None:
@@ -155,7 +133,7 @@ def _measure(go_stages: pathlib.Path, paths: dict[str, str], decode_address: str
         output, _ = client.communicate("go\n", timeout=600)
         cpu_after = {name: process.cpu_times() for name, process in processes.items()}
     finally:
-        _stop(client)
+        stop(client)
     if client.returncode != 0:
         raise RuntimeError(f"the timing client failed (exit code {client.returncode})")
     # By path: the first message's and the last one's arrival, in ms from the request.
@@ -188,18 +166,18 @@ def run(*, quick: bool = False, num_requests: int | None = None, results_dir: pa
     requests = num_requests or (QUICK_REQUESTS if quick else DEFAULT_REQUESTS)
 
     def experiment(scratch: pathlib.Path) -> dict[str, Any]:
-        go_stages = _build_go_stages(scratch)
+        go_stages = build_go_stages(scratch)
         stack = Stack()
         spawn = multiprocessing.get_context("spawn")
         ports = spawn.Queue()
         with contextlib.ExitStack() as processes:
-            stages, stages_address = _start_go(go_stages, "-role", "stages")
-            processes.callback(_stop, stages)
-            go_relay, go_relay_address = _start_go(go_stages, "-role", "relay", "-stages", stages_address)
-            processes.callback(_stop, go_relay)
+            stages, stages_address = start_go(go_stages, "-role", "stages")
+            processes.callback(stop, stages)
+            go_relay, go_relay_address = start_go(go_stages, "-role", "relay", "-encoder", stages_address, "-prefill", stages_address, "-decode", stages_address)
+            processes.callback(stop, go_relay)
             relay = spawn.Process(target=_serve_bare_relay, args=(stages_address, ports), daemon=True)
             relay.start()
-            processes.callback(_stop, relay)
+            processes.callback(_stop_process, relay)
             args = gateway_args(MODEL_NAME, "epd", encoders=[stages_address], prefills=[stages_address], decodes=[stages_address])
             gateway = stack.start("gateway-overhead", args)
             processes.callback(stack.stop)
@@ -219,9 +197,6 @@ def run(*, quick: bool = False, num_requests: int | None = None, results_dir: pa
     return write_result(NAME, result, command=command, results_dir=results_dir)
 
 
-def _stop(process: subprocess.Popen | multiprocessing.Process) -> None:
+def _stop_process(process: multiprocessing.Process) -> None:
     process.kill()
-    if isinstance(process, subprocess.Popen):
-        process.wait(10)
-    else:
-        process.join(10)
+    process.join(10)

@@ -84,6 +84,18 @@ def _serving(doc: dict) -> list[str]:
         for load, s in loads.items()
     ]
     lines += [f"Gateway overhead over E2EL (medians; goal ≤ {GATEWAY_SHARE_GOAL_PERCENT:g} %): " + ", ".join(shares) + ".", ""]
+    if "epd-go-relay" in summary:
+        relay, gateway = summary["epd-go-relay"], summary["epd"]
+        lines += [
+            "epd-go-relay sends the epd arm's requests through the same stages by way of EPD's data path alone, compiled "
+            "(`bench/go_stages/relay.go`: no routing, retries, validation, spans or metrics; a measuring instrument, not a gateway). Its "
+            "overhead is what remains with a compiled data path: the benchmark's grpc.aio client sending the media and reading the stream, "
+            "and the hops. The gateway's overhead over it, medians: "
+            + ", ".join(f"{load} {_fmt(gateway[load]['gateway_overhead_ms_median'] - relay[load]['gateway_overhead_ms_median'], 1)} ms" for load in ("poisson", "saturation"))
+            + "; saturation throughput, gateway over relay: "
+            + f"×{_fmt(gateway['saturation']['request_throughput'] / relay['saturation']['request_throughput'], 3)}.",
+            "",
+        ]
     inside = [
         f"{arm} {load} {_fmt(s['gateway_own_ms_median'], 2)} ms"
         for arm, loads in summary.items()
@@ -245,8 +257,9 @@ def _gateway_overhead(doc: dict) -> list[str]:
         "costs next to nothing, and so is the client that times every path (`go_stages -role client`): every millisecond is the gateway's and its "
         "three hops'. "
         "The bare relays make the same three calls from their own process and relay the decode's stream message by message, with none of EPD's "
-        "work (no parsing, hashing, template, routing, spans or metrics): the grpc.aio one is the floor the gateway's runtime sets for this hop "
-        "shape, the grpc-go one what a compiled gRPC runtime costs for it. The paths take turns request by request. "
+        "other work (no validation, hashing, routing, retries, spans or metrics): the grpc.aio one is the floor the gateway's runtime sets for "
+        "this hop shape; the grpc-go one (`bench/go_stages/relay.go`, the stages' real protocol, which the serving experiments also run against "
+        "real stages) what a compiled gRPC runtime costs for it. The paths take turns request by request. "
         "The gateway merges deltas its client has not read yet into one message (`gateway/run.py`), so against stand-ins that stream at once "
         "it may send fewer messages than the relays, and EPD's own work can come out below zero.",
         "",

@@ -4,6 +4,10 @@
   sends the original media to prefill and decode, which decode it and re-run the processor for
   the layout; embeddings still come over NIXL). Same services, same requests, same arrivals.
 - **Topologies:** monolithic vs E+PD vs E/P/D at the same offered load.
+- **A compiled data path:** ``epd-go-relay`` runs the same E/P/D requests through the same
+  stages by way of ``bench/go_stages/relay.go`` (EPD's data path alone in grpc-go: no routing,
+  retries, validation, spans or metrics) instead of the gateway: what the hops cost a compiled
+  runtime, beside what they cost the gateway. It is a measuring instrument, not a gateway.
 - **Gateway overhead:** client-observed E2EL minus the gateway's timed stage calls; and of it,
   what the gateway counts inside itself (its Finished timings: total minus the stage calls), the
   rest being the client's hop to it (sending it the media) and the client's own reading.
@@ -29,6 +33,7 @@ alternate order across repeats so drift hits all of them alike.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import math
 import pathlib
@@ -36,11 +41,12 @@ import statistics
 import time
 
 from bench.common import RESULTS_DIR, command_line, progress, write_result
+from bench.compiled import GoRelay, go_relay
 from bench.workload import STAGES, WorkloadSpec, build_requests, run_load, salted
 from epd.launcher import ServiceProcess, Stack, gateway_args, start_monolithic
 from epd.telemetry import scrape
 
-ARMS = ("monolithic", "epd-combined", "epd", "epd-forward-media")
+ARMS = ("monolithic", "epd-combined", "epd", "epd-forward-media", "epd-go-relay")
 LOADS = ("poisson", "saturation")
 
 
@@ -75,7 +81,7 @@ def _start(stack: Stack, model: str) -> dict[str, ServiceProcess]:
     return services
 
 
-def peak_rss_mib(service: ServiceProcess) -> float:
+def peak_rss_mib(service: ServiceProcess | GoRelay) -> float:
     """VmHWM of the service and its children (vLLM's engine core is a child process)."""
     import psutil
 
@@ -314,15 +320,16 @@ def run(
     requests = build_requests(workload)
     stack = Stack()
     progress(f"{experiment}: starting the stack for {model} (logs in {stack.log_dir})")
-    try:
-        services = _start(stack, model)
+    with contextlib.ExitStack() as running:
+        running.callback(stack.stop)
+        services: dict = _start(stack, model)
+        stages = (services[name].address for name in ("encoder", "prefill", "decode"))
+        services["gateway-epd-go-relay"] = running.enter_context(go_relay(*stages))
         gateways = {arm: services[f"gateway-{arm}"].address for arm in ARMS}
         before = counters(services, workload.modality)
         runs = measure(gateways, requests, rate=config.rate, repeats=config.repeats, max_concurrency=config.max_concurrency)
         state = end_state(services, workload.modality, since=before)
         resources = {name: {"peak_rss_mib": round(peak_rss_mib(service), 1)} for name, service in services.items()}
-    finally:
-        stack.stop()
     if not state["drained"]:
         progress(f"{experiment}: NOT back to zero at the end: {state}")
     return write_result(experiment, build_payload(runs, config, state, resources), command=command or command_line(), results_dir=results_dir)

@@ -1,5 +1,6 @@
 """A seconds-long smoke run of the serving benchmark on the shared stacks (images on Qwen2.5-VL,
-and the Omni thinker's audio workload on the suite's Qwen2.5-Omni stack, in bf16): every arm answers with monolithic's tokens, the end state
+and the Omni thinker's audio workload on the suite's Qwen2.5-Omni stack, in bf16): every arm,
+the compiled relay's included, answers with monolithic's tokens, the end state
 (read with the EC connector's metrics) is back to zero, the result has the schema BENCHMARKS.md
 is built from, and the report renders it."""
 
@@ -10,6 +11,7 @@ import json
 import pytest
 
 from bench.common import write_result
+from bench.compiled import go_relay
 from bench.report import write_report
 from bench.serving import ARMS, EXPERIMENTS, LOADS, ServingConfig, build_payload, counters, end_state, measure, peak_rss_mib
 from bench.workload import STAGES, WorkloadSpec, build_requests
@@ -50,9 +52,10 @@ async def test_serving_smoke_run_has_the_report_schema(family_stack, family, tmp
     forward = gateway_args(s.model, "epd", encoders=[s.encoder.address], prefills=[s.prefill.address], decodes=[s.decode.address], extra=["--forward-media"])
     services = {"encoder": s.encoder, "prefill": s.prefill, "decode": s.decode, "combined": s.combined, "gateway-monolithic": s.gateways["monolithic"]}
     before = await asyncio.to_thread(counters, services, workload.modality)  # the stack is shared with other tests
-    with s.stack.temporary("gateway-bench-forward-media", forward) as forward_gateway:
+    with s.stack.temporary("gateway-bench-forward-media", forward) as forward_gateway, go_relay(s.encoder.address, s.prefill.address, s.decode.address) as relay:
         gateways = {"monolithic": s.gateways["monolithic"].address, "epd-combined": s.gateways["epd-combined"].address, "epd": s.gateways["epd"].address}
         gateways["epd-forward-media"] = forward_gateway.address
+        gateways["epd-go-relay"] = relay.address
         # measure() drives its own event loops; keep them off the test's loop.
         runs = await asyncio.to_thread(measure, gateways, build_requests(workload), rate=config.rate, repeats=config.repeats)
     state = await asyncio.to_thread(end_state, services, workload.modality, before)
@@ -70,8 +73,8 @@ async def test_serving_smoke_run_has_the_report_schema(family_stack, family, tmp
             (only_run,) = doc["runs"][arm][load]
             assert only_run["completed"] == workload.num_requests and only_run["failed"] == 0
     assert doc["summary"]["epd"]["poisson"]["stage_ms_median"]["prefill"] > 0
-    for arm in ("epd", "epd-combined", "epd-forward-media"):
-        # Inside the gateway is part of what its client sees.
+    for arm in ("epd", "epd-combined", "epd-forward-media", "epd-go-relay"):
+        # Inside the gateway (or the compiled relay) is part of what its client sees.
         for load in LOADS:
             summary = doc["summary"][arm][load]
             assert 0 < summary["gateway_own_ms_median"] <= summary["gateway_overhead_ms_median"], (arm, load, summary)

@@ -1,7 +1,8 @@
 // Command go_stages serves bench/gateway_overhead.py's compiled parts, in grpc-go:
 //
 //	go_stages -role stages                  stand-in encoder, prefill and decode that answer at once
-//	go_stages -role relay -stages HOST:PORT the gateway's hop shape with none of EPD's work
+//	go_stages -role relay -encoder HOST:PORT -prefill HOST:PORT -decode HOST:PORT
+//	                                        EPD's E/P/D data path alone (relay.go)
 //	go_stages -role client -targets gateway=HOST:PORT,... -decode HOST:PORT -image FILE
 //	                                        the timing client (client.go)
 //
@@ -9,9 +10,9 @@
 //
 // The stand-ins do no work, and being compiled they cost next to nothing per call, so what the
 // benchmark measures through the gateway is the gateway's own work and its hops, not a Python
-// server's. The relay (Encode, Prefill, then Decode's stream relayed message by message) is the
-// same bare relay the benchmark also runs on grpc.aio: their difference is what the gRPC runtime
-// alone costs for this hop shape. The client is compiled for the same reason: a grpc.aio client
+// server's. The relay speaks the stages' real protocol with none of the gateway's other work
+// (relay.go), so it runs against the stand-ins and against real stages alike: what EPD's hops
+// cost a compiled gRPC runtime. The client is compiled for the same reason: a grpc.aio client
 // spends Python on every message it reads, and that cost, which differs with what ran just
 // before, would fall unevenly on the paths it times.
 package main
@@ -20,7 +21,6 @@ import (
 	"context"
 	"flag"
 	"fmt"
-	"io"
 	"net"
 	"os"
 	"strings"
@@ -40,7 +40,7 @@ const (
 	placeholders = 16
 	width        = 64
 	outputTokens = 16
-	promptTokens = 40 // the relays' prompt, and what the stand-in prefill renders a chat to
+	promptTokens = 40 // what the stand-in prefill renders a chat to (the grpc.aio relay's prompt)
 	callTimeout  = 30 * time.Second
 )
 
@@ -86,7 +86,7 @@ type prefill struct {
 
 func (prefill) Prefill(_ context.Context, request *epdv1.PrefillRequest) (*epdv1.PrefillResponse, error) {
 	// A real prefill renders the chat it is sent and returns the token ids it ran; the stand-in
-	// returns as many ids as the bare relays send, in place of the rendering.
+	// returns promptTokens ids in place of the rendering.
 	ids := request.GetPrompt().GetTokenIds()
 	if len(ids) == 0 {
 		ids = make([]uint32, promptTokens)
@@ -135,51 +135,12 @@ func (decode) ReleaseKv(context.Context, *epdv1.ReleaseKvRequest) (*epdv1.Releas
 	return &epdv1.ReleaseKvResponse{}, nil
 }
 
-type relay struct {
-	epdv1.UnimplementedGatewayServiceServer
-	encoder epdv1.EncoderServiceClient
-	prefill epdv1.PrefillServiceClient
-	decode  epdv1.DecodeServiceClient
-	prompt  *epdv1.EnginePrompt
-}
-
-func (r *relay) Generate(request *epdv1.GenerateRequest, stream epdv1.GatewayService_GenerateServer) error {
-	ctx, cancel := context.WithTimeout(stream.Context(), callTimeout)
-	defer cancel()
-	// The media goes on to the encoder, as the gateway sends it.
-	image := request.GetMessages()[0].GetParts()[0].GetImage()
-	items := []*epdv1.MediaItem{{Media: &epdv1.MediaItem_Image{Image: &epdv1.Media{Data: image.GetData(), MimeType: image.GetMimeType()}}}}
-	if _, err := r.encoder.Encode(ctx, &epdv1.EncodeRequest{RequestId: request.GetRequestId(), Items: items}); err != nil {
-		return err
-	}
-	if _, err := r.prefill.Prefill(ctx, &epdv1.PrefillRequest{RequestId: request.GetRequestId(), Prompt: r.prompt}); err != nil {
-		return err
-	}
-	decoding, err := r.decode.Decode(ctx, &epdv1.DecodeRequest{RequestId: request.GetRequestId(), Prompt: r.prompt})
-	if err != nil {
-		return err
-	}
-	for {
-		message, err := decoding.Recv()
-		if err == io.EOF {
-			break
-		}
-		if err != nil {
-			return err
-		}
-		delta := &epdv1.GenerateDelta{TokenIds: message.GetTokenIds(), Text: message.GetText()}
-		if err := stream.Send(&epdv1.GenerateResponse{Event: &epdv1.GenerateResponse_Delta{Delta: delta}}); err != nil {
-			return err
-		}
-	}
-	return stream.Send(&epdv1.GenerateResponse{Event: &epdv1.GenerateResponse_Finished{Finished: &epdv1.GenerateFinished{}}})
-}
-
 func main() {
 	role := flag.String("role", "", "stages, relay or client")
-	stages := flag.String("stages", "", "for the relay: the stand-in stages' address (host:port)")
+	encoderAddress := flag.String("encoder", "", "for the relay: the encoder's address (host:port)")
+	prefillAddress := flag.String("prefill", "", "for the relay: the prefill's address")
+	decodeAddress := flag.String("decode", "", "for the relay: the decode's address; for the client: the stand-in decode's, the floor")
 	targets := flag.String("targets", "", "for the client: the GatewayService paths to time, name=host:port,...")
-	decodeAddress := flag.String("decode", "", "for the client: the stand-in decode's address, the floor")
 	image := flag.String("image", "", "for the client: the PNG each request carries")
 	warmup := flag.Int("warmup", 20, "for the client: requests per path before timing")
 	requests := flag.Int("requests", 300, "for the client: timed requests per path")
@@ -201,18 +162,9 @@ func main() {
 		}
 		healthpb.RegisterHealthServer(server, healthServer)
 	case "relay":
-		conn, err := grpc.Dial(*stages, grpc.WithInsecure())
+		relay, err := newRelay(*encoderAddress, *prefillAddress, *decodeAddress)
 		exitIf(err)
-		tokens := make([]uint32, promptTokens)
-		for i := range tokens {
-			tokens[i] = uint32(i)
-		}
-		epdv1.RegisterGatewayServiceServer(server, &relay{
-			encoder: epdv1.NewEncoderServiceClient(conn),
-			prefill: epdv1.NewPrefillServiceClient(conn),
-			decode:  epdv1.NewDecodeServiceClient(conn),
-			prompt:  &epdv1.EnginePrompt{TokenIds: tokens},
-		})
+		epdv1.RegisterGatewayServiceServer(server, relay)
 	default:
 		exitIf(fmt.Errorf("-role must be stages, relay or client, got %q", *role))
 	}

@@ -1,0 +1,71 @@
+"""The benchmarks' compiled parts (``bench/go_stages``, grpc-go on the generated Go SDK): built
+here, started as their own processes, each printing the port it listens on.
+
+- ``-role stages``: stand-in encoder, prefill and decode that answer at once (gateway_overhead);
+- ``-role relay``: EPD's E/P/D data path alone, compiled (``relay.go``): against the stand-ins in
+  gateway_overhead, and against real stages as the serving experiments' ``epd-go-relay`` arm;
+- ``-role client``: the timing client of gateway_overhead.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import pathlib
+import subprocess
+from collections.abc import Iterator
+
+from bench.common import progress
+
+_ROOT = pathlib.Path(__file__).resolve().parents[1]
+_GOPATH = _ROOT / "sdk" / ".gopath"
+
+
+def build_go_stages(out_dir: pathlib.Path) -> pathlib.Path:
+    """Builds ``bench/go_stages`` into ``out_dir`` as ``scripts/gen_sdks.sh --check`` builds the
+    Go client (GOPATH mode, offline, against the generated SDK), generating the SDK first if it
+    is missing."""
+    if not (_GOPATH / "src" / "epd" / "sdk" / "go" / "epd" / "v1").is_dir():
+        progress("bench/go_stages: no generated Go SDK; running scripts/gen_sdks.sh")
+        subprocess.run([str(_ROOT / "scripts" / "gen_sdks.sh")], check=True, timeout=900)
+    env = {**os.environ, "GO111MODULE": "off", "GOPROXY": "off", "GOFLAGS": "", "GOPATH": f"{_GOPATH}:/usr/share/gocode"}
+    binary = out_dir / "go_stages"
+    subprocess.run(["go", "build", "-o", str(binary), "."], cwd=_ROOT / "bench" / "go_stages", env=env, check=True, timeout=300)
+    return binary
+
+
+def start_go(binary: pathlib.Path, *args: str) -> tuple[subprocess.Popen, str]:
+    """Starts ``go_stages`` and waits for the port it prints; (process, its address)."""
+    process = subprocess.Popen([str(binary), *args], stdout=subprocess.PIPE, text=True)
+    port = process.stdout.readline().strip()
+    if not port.isdigit():
+        process.kill()
+        raise RuntimeError(f"go_stages {' '.join(args)} printed {port!r} instead of its port (exit code {process.wait(10)})")
+    return process, f"127.0.0.1:{port}"
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.kill()
+    process.wait(10)
+
+
+@dataclasses.dataclass(frozen=True)
+class GoRelay:
+    """A running compiled relay: where it serves GatewayService, and its process."""
+
+    address: str
+    process: subprocess.Popen
+
+
+@contextlib.contextmanager
+def go_relay(encoder: str, prefill: str, decode: str) -> Iterator[GoRelay]:
+    """The compiled E/P/D relay in front of the given stage instances, built for the occasion."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="epd-go-stages-") as scratch:
+        process, address = start_go(build_go_stages(pathlib.Path(scratch)), "-role", "relay", "-encoder", encoder, "-prefill", prefill, "-decode", decode)
+        try:
+            yield GoRelay(address, process)
+        finally:
+            stop(process)
