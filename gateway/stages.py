@@ -162,7 +162,7 @@ class PrefillClient:
             try:
                 response = await stub.Prefill(wire.prefill_request_to_wire(request), timeout=time_left(deadline), metadata=telemetry.trace_metadata())
             except grpc.aio.AioRpcError as exc:
-                raise _public_chat_fields(_stage_error(self.pool, address, exc, deadline)) from exc
+                raise _engine_prompt_error(self.pool, address, request, _stage_error(self.pool, address, exc, deadline)) from exc
         return Prefilled(wire.kv_handoff_from_wire(response.kv_handoff), tuple(response.prompt_token_ids), address)
 
 
@@ -206,7 +206,7 @@ class DecodeClient:
                 else:
                     raise StageFailed("decode", address, f"decode {address} ended its stream without a finish reason")
             except grpc.aio.AioRpcError as exc:
-                raise _public_chat_fields(_stage_error(self.pool, address, exc, deadline)) from exc
+                raise _engine_prompt_error(self.pool, address, request, _stage_error(self.pool, address, exc, deadline)) from exc
             except BaseException:
                 call.cancel()
                 raise
@@ -264,10 +264,19 @@ def _remap_item_fields(error: EpdError, paths: list[str]) -> EpdError:
     return InvalidArgument(f"invalid media: {message}", violations)
 
 
-def _public_chat_fields(error: EpdError) -> EpdError:
-    """Rewrites an engine's ``prompt.chat`` field paths into the public request's
-    ``messages``: the gateway sends the chat turn for turn and part for part."""
-    if not isinstance(error, InvalidArgument) or not any(v.field.startswith("prompt.chat") for v in error.violations):
+def _engine_prompt_error(pool: StagePool, address: str, request: EngineRequest, error: EpdError) -> EpdError:
+    """An engine stage's error about the prompt, for the public request: its ``prompt.chat``
+    field paths become ``messages`` (the gateway sends the chat turn for turn and part for part).
+
+    A stage from before the engines rendered chats refuses one as a prompt without token ids. That
+    is no fault of the client's: the instance is ejected, and the request retried elsewhere, as
+    from any instance that cannot serve it (stages must be upgraded before gateways)."""
+    if not isinstance(error, InvalidArgument):
+        return error
+    if request.chat and [v.field for v in error.violations] == ["prompt.token_ids"]:
+        pool.eject(address, "it cannot render chats (epd.v1.EnginePrompt.chat): older than this gateway")
+        return StageFailed(pool.stage, address, f"{pool.stage} {address} predates chat prompts and refused one; upgrade stages before gateways")
+    if not any(v.field.startswith("prompt.chat") for v in error.violations):
         return error
     violations = [FieldViolation("messages" + v.field[len("prompt.chat") :], v.description) if v.field.startswith("prompt.chat") else v for v in error.violations]
     return InvalidArgument("; ".join(f"{v.field} {v.description}" for v in violations), violations)
