@@ -105,7 +105,7 @@ def _serving(doc: dict) -> list[str]:
     ]
     if inside:
         lines += [
-            "Of that overhead, the gateway's own time (parsing and hashing, rendering, routing: its Finished timings' total minus the stage "
+            "Of that overhead, the gateway's own time (parsing and hashing, routing: its Finished timings' total minus the stage "
             "calls; the rest is the client's hop to it, which carries the media, and the client's reading), medians: " + ", ".join(inside) + ".",
             "",
         ]
