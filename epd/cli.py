@@ -163,6 +163,17 @@ def build_parser() -> argparse.ArgumentParser:
     dec.add_argument("--allow-inline-embeddings", action="store_true", help="E+PD requests: accept embeddings inline in gRPC (benchmarks)")
 
     gw = sub.add_parser("gateway", help="run the public gateway")
+    gw.add_argument(
+        "--impl",
+        choices=["python", "go"],
+        default="python",
+        help="go: the compiled gateway (build/epd-gateway, scripts/build_gateway.sh) for epd and epd-combined; python: every mode, and the HTTP front",
+    )
+    gw.add_argument(
+        "--affinity-key-file",
+        default="",
+        help="--impl go: the secret that keys its item routing; gateway replicas route an item to the same encoder only when they share it (default: a key of the process's own)",
+    )
     _server_flags(gw)
     _engine_flags(gw, model_help="monolithic: the checkpoint directory it serves; epd, epd-combined: only the model's name in the HTTP front (no file is read)")
     gw.add_argument("--mode", choices=["epd", "epd-combined", "monolithic"], default="epd")
@@ -197,6 +208,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--decodes", type=int, default=1)
     up.add_argument("--shared-cache", action="store_true", help="also run the encoder-output cache's shared tier, and have every encoder use it")
     up.add_argument("--demo", action="store_true", help="send one request with media the model takes, print the stream, then stop")
+    up.add_argument(
+        "--gateway-impl",
+        choices=["python", "go"],
+        default="python",
+        help="epd and epd-combined: the gateway to run (go: the compiled one, built by scripts/build_gateway.sh; it has no HTTP front)",
+    )
     _flags(up, _gateway_config_class(), ["http_port"])
 
     gen = sub.add_parser("generate", help="stream a reply from a gateway")
@@ -276,6 +293,12 @@ def _run_service(args) -> None:
     from epd.launcher import exit_with_launcher
     from epd.server import configure_logging
 
+    if args.command == "gateway" and args.impl == "go":
+        from gateway import compiled
+
+        compiled.exec_gateway(args)  # the compiled gateway watches the launcher itself
+    if args.command == "gateway" and args.affinity_key_file:
+        raise SystemExit("epd gateway: --affinity-key-file is for --impl go (the Python gateway routes by an unkeyed BLAKE3 digest)")
     configure_logging(args.log_level)
     exit_with_launcher()
     server = _server_config(args)

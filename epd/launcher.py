@@ -281,7 +281,7 @@ def up_cli(args) -> int:
                 encoders=args.encoders,
                 prefills=args.prefills,
                 decodes=args.decodes,
-                gateway_extra=http,
+                gateway_extra=[*http, "--impl", args.gateway_impl],
                 encoder_extra=shared,
             )
         for service in stack.services:

@@ -27,6 +27,7 @@ from epd.v1 import (
     prefill_pb2,
     prefill_pb2_grpc,
 )
+from tests.conftest import DISAGGREGATED_MODES
 from tests.helpers import encode_then_prefill, prefill_directly, violations, wait_for_metric
 
 PNG = synthetic_image_png(120, 90, seed=5)
@@ -77,7 +78,7 @@ BAD_REQUESTS = {
 }
 
 
-@pytest.mark.parametrize("mode", ["epd", "epd-combined"])
+@pytest.mark.parametrize("mode", DISAGGREGATED_MODES)
 @pytest.mark.parametrize("case", list(BAD_REQUESTS))
 async def test_bad_request_gets_invalid_argument_with_field(family_stack, mode, case):
     build, field = BAD_REQUESTS[case]

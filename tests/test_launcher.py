@@ -92,3 +92,31 @@ def test_epd_up_stops_every_process_on_sigterm(tmp_path):
         if up.poll() is None:
             up.kill()
             up.wait()
+
+
+def test_the_compiled_gateway_stops_when_its_launcher_is_killed(tmp_path):
+    """`epd gateway --impl go` replaces the Python process with the compiled gateway (same PID,
+    same process group), which watches its launcher itself: SIGKILL the launcher and it drains
+    and exits. Nothing listens at its stage addresses; it needs none to start."""
+    script = (
+        "import time\n"
+        "from epd.launcher import Stack, gateway_args\n"
+        "stage = '127.0.0.1:9'\n"
+        f"gateway = Stack({str(tmp_path)!r}).start('gateway', gateway_args('m', 'epd', encoders=[stage], prefills=[stage], decodes=[stage], extra=['--impl', 'go']))\n"
+        "gateway.wait_ready(60)\n"
+        "print(gateway.process.pid, flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    launcher = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        gateway_pid = int(launcher.stdout.readline())
+        assert os.getpgid(gateway_pid) == gateway_pid  # its own process group
+        assert psutil.Process(gateway_pid).exe().endswith("epd-gateway")  # exec'd: the compiled binary
+        launcher.kill()
+        launcher.wait()
+        _assert_groups_end({gateway_pid})
+        assert "the launcher (pid" in (tmp_path / "gateway.log").read_text()
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()

@@ -36,6 +36,7 @@ pytestmark = pytest.mark.usefixtures("family_stack")
 
 TOKEN = "s3cret-token-for-tests"
 SERVING = health_pb2.HealthCheckResponse.SERVING
+GATEWAYS = ["gateway", "gateway-go"]  # the Python gateway and the compiled one
 
 
 # --- certificates -------------------------------------------------------------------------
@@ -130,7 +131,8 @@ class SecureStack:
 
 @pytest.fixture(scope="module")
 def secure_stack(tmp_path_factory):
-    """Encoder, combined decode and E+PD gateway, each requiring mTLS; the gateway a token too."""
+    """Encoder, combined decode and E+PD gateways (Python and compiled), each requiring mTLS; the
+    gateways a token too."""
     folder = tmp_path_factory.mktemp("pki")
     pki = _make_pki(folder)
     model = str(checkpoint("qwen2_5_vl"))
@@ -142,9 +144,12 @@ def secure_stack(tmp_path_factory):
         combined = stack.start("combined", ["decode", "--model", model, "--mode", "combined", *SMALL_KV_CACHE, *tls])
         stack.wait_ready([encoder, combined], timeout=600)
         extra = [*tls, "--auth-token-file", str(pki.token_file)]
-        gateway = stack.start("gateway", gateway_args(model, "epd-combined", encoders=[encoder.address], decodes=[combined.address], extra=extra))
-        stack.wait_ready([gateway], timeout=300)
-        yield SecureStack(pki, {"encoder": encoder.address, "combined": combined.address, "gateway": gateway.address})
+        gateways = {
+            name: stack.start(name, gateway_args(model, "epd-combined", encoders=[encoder.address], decodes=[combined.address], extra=[*extra, "--impl", impl]))
+            for name, impl in (("gateway", "python"), ("gateway-go", "go"))
+        }
+        stack.wait_ready(list(gateways.values()), timeout=300)
+        yield SecureStack(pki, {"encoder": encoder.address, "combined": combined.address, **{name: g.address for name, g in gateways.items()}})
     finally:
         stack.stop()
 
@@ -161,12 +166,13 @@ async def _health(channel: grpc.aio.Channel, service: str = "") -> int:
 # --- the tests ----------------------------------------------------------------------------
 
 
-async def test_mtls_and_token_stream_the_monolithic_tokens(secure_stack, family_stack):
+@pytest.mark.parametrize("gateway", GATEWAYS)
+async def test_mtls_and_token_stream_the_monolithic_tokens(secure_stack, family_stack, gateway):
     """Client -> gateway (TLS, client certificate, token) -> encoder and combined decode (mTLS
     with the gateway's certificate): the same greedy tokens as the monolithic vLLM run."""
     request = _image_request()
     oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=180)
-    async with secure_stack.channel("gateway", client=secure_stack.pki.client, token=TOKEN) as channel:
+    async with secure_stack.channel(gateway, client=secure_stack.pki.client, token=TOKEN) as channel:
         result = await generate(gateway_pb2_grpc.GatewayServiceStub(channel), request, timeout=180)
     assert len(oracle.token_ids) >= MIN_TOKENS
     assert result.token_ids == oracle.token_ids
@@ -183,14 +189,15 @@ async def test_mtls_and_token_stream_the_monolithic_tokens(secure_stack, family_
     assert location.encoder_address == f"localhost:{secure_stack.addresses['encoder'].rpartition(':')[2]}"
 
 
-async def test_epd_generate_cli_speaks_mtls_with_a_token(secure_stack, family_stack, tmp_path):
+@pytest.mark.parametrize("gateway", GATEWAYS)
+async def test_epd_generate_cli_speaks_mtls_with_a_token(secure_stack, family_stack, tmp_path, gateway):
     png = tmp_path / "image.png"
     png.write_bytes(synthetic_image_png(120, 96, seed=82))
     request = chat_request([(png.read_bytes(), "image/png"), "What is this?"], max_tokens=8)
     oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=180)
     pki = secure_stack.pki
     tls = ["--tls-ca", str(pki.ca.cert), "--tls-cert", str(pki.client.cert), "--tls-key", str(pki.client.key)]
-    command = [sys.executable, "-m", "epd.cli", "generate", "--gateway", secure_stack.addresses["gateway"], "--media", str(png), "--max-tokens", "8"]
+    command = [sys.executable, "-m", "epd.cli", "generate", "--gateway", secure_stack.addresses[gateway], "--media", str(png), "--max-tokens", "8"]
     run = subprocess.run([*command, *tls, "--auth-token-file", str(pki.token_file), "What is this?"], capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith(oracle.text + "\n[finish=")
@@ -201,7 +208,7 @@ async def test_epd_generate_cli_speaks_mtls_with_a_token(secure_stack, family_st
     assert "error: UNAUTHENTICATED: missing 'authorization: Bearer <token>' metadata" in refused.stderr
 
 
-@pytest.mark.parametrize("name", ["encoder", "combined", "gateway"])
+@pytest.mark.parametrize("name", ["encoder", "combined", *GATEWAYS])
 async def test_a_plaintext_client_is_refused_at_connect(secure_stack, name):
     async with open_channel(secure_stack.addresses[name]) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as refused:
@@ -209,7 +216,7 @@ async def test_a_plaintext_client_is_refused_at_connect(secure_stack, name):
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
 
 
-@pytest.mark.parametrize("name", ["encoder", "combined", "gateway"])
+@pytest.mark.parametrize("name", ["encoder", "combined", *GATEWAYS])
 async def test_client_certificates_are_required_and_verified(secure_stack, name):
     """Only a certificate from the services' CA gets through; one from another CA, or none, is
     refused in the handshake."""
@@ -236,8 +243,9 @@ async def test_a_server_from_an_unknown_ca_is_refused(secure_stack):
     ("token", "message"),
     [(None, "missing 'authorization: Bearer <token>' metadata"), ("wrong-token", "invalid bearer token"), (TOKEN + "x", "invalid bearer token")],
 )
-async def test_a_missing_or_wrong_token_is_unauthenticated(secure_stack, token, message):
-    async with secure_stack.channel("gateway", client=secure_stack.pki.client, token=token) as channel:
+@pytest.mark.parametrize("gateway", GATEWAYS)
+async def test_a_missing_or_wrong_token_is_unauthenticated(secure_stack, token, message, gateway):
+    async with secure_stack.channel(gateway, client=secure_stack.pki.client, token=token) as channel:
         stub = gateway_pb2_grpc.GatewayServiceStub(channel)
         with pytest.raises(grpc.aio.AioRpcError) as streaming:
             await generate(stub, _image_request(max_tokens=4), timeout=30)
@@ -248,8 +256,9 @@ async def test_a_missing_or_wrong_token_is_unauthenticated(secure_stack, token, 
         assert refused.details() == message
 
 
-async def test_health_and_reflection_need_no_token(secure_stack):
-    async with secure_stack.channel("gateway", client=secure_stack.pki.client) as channel:
+@pytest.mark.parametrize("gateway", GATEWAYS)
+async def test_health_and_reflection_need_no_token(secure_stack, gateway):
+    async with secure_stack.channel(gateway, client=secure_stack.pki.client) as channel:
         assert await _health(channel) == SERVING
         assert await _health(channel, "epd.v1.GatewayService") == SERVING
 
