@@ -4,17 +4,23 @@ here, started as their own processes, each printing the port it listens on.
 - ``-role stages``: stand-in encoder, prefill and decode that answer at once (gateway_overhead);
 - ``-role relay``: EPD's E/P/D data path alone, compiled (``relay.go``): against the stand-ins in
   gateway_overhead, and against real stages as the serving experiments' ``epd-go-relay`` arm;
-- ``-role client``: the timing client of gateway_overhead.
+- ``-role client``: the timing client of gateway_overhead;
+- ``-role load``: the serving experiments' client (``bench.workload.run_load``).
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import dataclasses
+import functools
+import json
 import os
 import pathlib
+import shutil
 import subprocess
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Iterator, Sequence
 
 from bench.common import progress
 
@@ -33,6 +39,32 @@ def build_go_stages(out_dir: pathlib.Path) -> pathlib.Path:
     binary = out_dir / "go_stages"
     subprocess.run(["go", "build", "-o", str(binary), "."], cwd=_ROOT / "bench" / "go_stages", env=env, check=True, timeout=300)
     return binary
+
+
+@functools.cache
+def go_stages() -> pathlib.Path:
+    """``go_stages``, built once per process into a folder removed at exit."""
+    scratch = pathlib.Path(tempfile.mkdtemp(prefix="epd-go-stages-"))
+    atexit.register(shutil.rmtree, scratch, ignore_errors=True)
+    return build_go_stages(scratch)
+
+
+def run_load(address: str, requests: Sequence[bytes], offsets: Sequence[float] | None, max_concurrency: int | None) -> list[dict]:
+    """Sends serialized GenerateRequests to ``address`` with the compiled client (``-role load``):
+    request i at ``offsets[i]`` seconds from the start (None: all at once, in order), at most
+    ``max_concurrency`` in flight. Returns one record per request, in order (the fields of
+    ``bench.workload.RequestRecord``)."""
+    with tempfile.NamedTemporaryFile(prefix="epd-requests-", suffix=".bin") as file:
+        for request in requests:
+            file.write(len(request).to_bytes(4, "big") + request)
+        file.flush()
+        command = [str(go_stages()), "-role", "load", "-target", address, "-request-file", file.name, "-max-concurrency", str(max_concurrency or 0)]
+        if offsets is not None:
+            command += ["-offsets", ",".join(repr(offset) for offset in offsets)]
+        done = subprocess.run(command, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        raise RuntimeError(f"the compiled load client failed (exit code {done.returncode}): {done.stderr.strip()}")
+    return json.loads(done.stdout)
 
 
 def start_go(binary: pathlib.Path, *args: str) -> tuple[subprocess.Popen, str]:

@@ -180,10 +180,11 @@ def run(*, quick: bool = False, num_requests: int | None = None, results_dir: pa
             processes.callback(_stop_process, relay)
             args = gateway_args(MODEL_NAME, "epd", encoders=[stages_address], prefills=[stages_address], decodes=[stages_address])
             gateway = stack.start("gateway-overhead", args)
+            go_gateway = stack.start("go-gateway-overhead", [*args, "--impl", "go"])
             processes.callback(stack.stop)
-            stack.wait_ready([gateway], 120)
-            paths = {"gateway": gateway.address, "relay": f"127.0.0.1:{ports.get(True, 60)}", "go_relay": go_relay_address}
-            pids = {"gateway": gateway.process.pid, "relay": relay.pid, "go_relay": go_relay.pid}
+            stack.wait_ready([gateway, go_gateway], 120)
+            paths = {"gateway": gateway.address, "go_gateway": go_gateway.address, "relay": f"127.0.0.1:{ports.get(True, 60)}", "go_relay": go_relay_address}
+            pids = {"gateway": gateway.process.pid, "go_gateway": go_gateway.process.pid, "relay": relay.pid, "go_relay": go_relay.pid}
             return _measure(go_stages, paths, stages_address, requests, pids, scratch)
 
     with tempfile.TemporaryDirectory(prefix="epd-gateway-overhead-") as scratch:

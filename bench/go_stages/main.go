@@ -5,6 +5,8 @@
 //	                                        EPD's E/P/D data path alone (relay.go)
 //	go_stages -role client -targets gateway=HOST:PORT,... -decode HOST:PORT -image FILE
 //	                                        the timing client (client.go)
+//	go_stages -role load -target HOST:PORT -request-file FILE [-offsets S,...] [-max-concurrency N]
+//	                                        the serving experiments' client (load.go)
 //
 // The servers print the port they listen on, then serve until killed.
 //
@@ -136,7 +138,7 @@ func (decode) ReleaseKv(context.Context, *epdv1.ReleaseKvRequest) (*epdv1.Releas
 }
 
 func main() {
-	role := flag.String("role", "", "stages, relay or client")
+	role := flag.String("role", "", "stages, relay, client or load")
 	encoderAddress := flag.String("encoder", "", "for the relay: the encoder's address (host:port)")
 	prefillAddress := flag.String("prefill", "", "for the relay: the prefill's address")
 	decodeAddress := flag.String("decode", "", "for the relay: the decode's address; for the client: the stand-in decode's, the floor")
@@ -144,9 +146,17 @@ func main() {
 	image := flag.String("image", "", "for the client: the PNG each request carries")
 	warmup := flag.Int("warmup", 20, "for the client: requests per path before timing")
 	requests := flag.Int("requests", 300, "for the client: timed requests per path")
+	target := flag.String("target", "", "for the load: the GatewayService address")
+	requestFile := flag.String("request-file", "", "for the load: the requests, each after its length (4 bytes, big-endian)")
+	offsets := flag.String("offsets", "", "for the load: each request's send time, seconds from the start, comma-separated (empty: all at once)")
+	maxConcurrency := flag.Int("max-concurrency", 0, "for the load: requests in flight at most (0: no limit)")
 	flag.Parse()
-	if *role == "client" {
+	switch *role {
+	case "client":
 		exitIf(runClient(*targets, *decodeAddress, *image, *warmup, *requests))
+		return
+	case "load":
+		exitIf(runLoad(*target, *requestFile, *offsets, *maxConcurrency))
 		return
 	}
 	server := grpc.NewServer()
@@ -166,7 +176,7 @@ func main() {
 		exitIf(err)
 		epdv1.RegisterGatewayServiceServer(server, relay)
 	default:
-		exitIf(fmt.Errorf("-role must be stages, relay or client, got %q", *role))
+		exitIf(fmt.Errorf("-role must be stages, relay, client or load, got %q", *role))
 	}
 	listener, err := net.Listen("tcp", "127.0.0.1:0")
 	exitIf(err)
