@@ -21,6 +21,7 @@ import (
 	"net/http"
 	"os"
 	"os/signal"
+	"runtime/debug"
 	"strconv"
 	"strings"
 	"syscall"
@@ -105,8 +106,16 @@ func fail(format string, args ...interface{}) {
 	os.Exit(2)
 }
 
+// gcPercent: the gateway's live heap is small (a few MiB) and what it allocates is mostly media
+// passing through, so collecting at 4x the live heap rather than Go's 2x halves the time spent in
+// the collector per request (bench/gateway_overhead.py) for a few more MiB. GOGC overrides it.
+const gcPercent = 400
+
 func main() {
 	log.SetFlags(log.Ldate | log.Ltime | log.Lmicroseconds)
+	if os.Getenv("GOGC") == "" {
+		debug.SetGCPercent(gcPercent)
+	}
 	c := parseFlags()
 	if err := serve(c); err != nil {
 		log.Printf("ERROR %v", err)

@@ -360,12 +360,12 @@ func (p *pipeline) decode(ctx context.Context, message *epdv1.DecodeRequest, c *
 	callCtx, cancel := context.WithCancel(ctx)
 	defer cancel()
 	callCtx, callSpan := startClientSpan(callCtx, "decode")
-	failure := p.relayDecode(ctx, callCtx, conn, address, message, c, send, answered)
+	failure := p.relayDecode(ctx, callCtx, cancel, conn, address, message, c, send, answered)
 	callSpan.finish(failure)
 	return failure
 }
 
-func (p *pipeline) relayDecode(ctx, callCtx context.Context, conn *grpc.ClientConn, address string, message *epdv1.DecodeRequest, c *clock, send sendFunc, answered func()) *requestError {
+func (p *pipeline) relayDecode(ctx, callCtx context.Context, cancel context.CancelFunc, conn *grpc.ClientConn, address string, message *epdv1.DecodeRequest, c *clock, send sendFunc, answered func()) *requestError {
 	stream, callErr := epdv1.NewDecodeServiceClient(conn).Decode(callCtx, message)
 	for callErr == nil {
 		var response *epdv1.DecodeResponse
@@ -384,7 +384,7 @@ func (p *pipeline) relayDecode(ctx, callCtx context.Context, conn *grpc.ClientCo
 			finished := c.finished(reason)
 			c.record()
 			send(&epdv1.GenerateResponse{Event: &epdv1.GenerateResponse_Finished{Finished: finished}})
-			readToStatus(stream, address)
+			readToStatus(stream, address, cancel)
 			return nil
 		}
 	}
@@ -396,24 +396,17 @@ func (p *pipeline) relayDecode(ctx, callCtx context.Context, conn *grpc.ClientCo
 }
 
 // readToStatus waits for a decode call's status after its last message, for at most
-// statusAfterEnd. The reply is complete and delivered, so a status that fails now fails nothing.
-func readToStatus(stream epdv1.DecodeService_DecodeClient, address string) {
-	ended := make(chan error, 1)
-	go func() {
-		for {
-			if _, err := stream.Recv(); err != nil {
-				ended <- err
-				return
-			}
-		}
-	}()
-	select {
-	case err := <-ended:
-		if err != io.EOF {
-			log.Printf("WARNING decode %s: the call failed after its last message: %v", address, err)
-		}
-	case <-time.After(statusAfterEnd):
-		log.Printf("WARNING decode %s: no status %s after the last message; the call is cancelled", address, statusAfterEnd)
+// statusAfterEnd (then cancel ends it). The reply is complete and delivered, so a status that
+// fails now fails nothing.
+func readToStatus(stream epdv1.DecodeService_DecodeClient, address string, cancel context.CancelFunc) {
+	late := time.AfterFunc(statusAfterEnd, cancel)
+	defer late.Stop()
+	var err error
+	for err == nil {
+		_, err = stream.Recv()
+	}
+	if err != io.EOF {
+		log.Printf("WARNING decode %s: no clean status after the last message (cancelled after %s without one): %v", address, statusAfterEnd, err)
 	}
 }
 

@@ -262,12 +262,12 @@ func (p *pool) pickForKey(key uint64, avoid map[string]bool) (string, *requestEr
 		return p.pick(avoid)
 	}
 	defer p.mu.Unlock()
-	walk := p.ring.walk(key)
-	if held, ok := p.holders.get(key); ok && held.owner == walk[0] && !avoid[held.address] {
+	if held, ok := p.holders.get(key); ok && held.owner == p.ring.owner(key) && !avoid[held.address] {
 		if in := p.instances[held.address]; in != nil && !in.leaving && in.health != healthDown {
 			return held.address, nil
 		}
 	}
+	walk := p.ring.walk(key)
 	ordered := make([]*instance, 0, len(walk))
 	for _, address := range walk {
 		ordered = append(ordered, p.instances[address])
@@ -304,7 +304,7 @@ func (p *pool) recordHolder(key uint64, address string) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	if p.ring != nil {
-		p.holders.put(key, holder{address, p.ring.walk(key)[0]})
+		p.holders.put(key, holder{address, p.ring.owner(key)})
 	}
 }
 
@@ -592,9 +592,16 @@ func newHashRing(members []*instance) *hashRing {
 	return ring
 }
 
+// owner: the instance at the key's point.
+func (r *hashRing) owner(key uint64) string { return r.owners[r.start(key)] }
+
+func (r *hashRing) start(key uint64) int {
+	return sort.Search(len(r.points), func(i int) bool { return r.points[i] > key }) % len(r.points)
+}
+
 // walk: every instance once, in ring order from the key's point.
 func (r *hashRing) walk(key uint64) []string {
-	start := sort.Search(len(r.points), func(i int) bool { return r.points[i] > key })
+	start := r.start(key)
 	seen := map[string]bool{}
 	var order []string
 	for i := 0; i < len(r.owners); i++ {
