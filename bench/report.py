@@ -383,13 +383,18 @@ def _encoder_cache(doc: dict) -> list[str]:
     return [*lines, "", " ".join(notes), ""]
 
 
+def _gateway_impl(doc: dict) -> str:
+    """Which gateway a resilience run put under load (runs before there were two: the Python one)."""
+    return {"go": "compiled", "python": "Python"}[doc.get("gateway_impl", "python")]
+
+
 def _faults(doc: dict) -> list[str]:
     lines = [
         "## Faults: SIGKILL of one of two instances of a stage under steady load",
         "",
         f"Command: `{doc['command']}`  ",
         f"Machine: {_machine(doc)}  ",
-        f"Two encoders, two prefills and two decodes behind one E/P/D gateway; {doc['concurrency']} clients in a closed loop of one-image requests "
+        f"Two encoders, two prefills and two decodes behind one E/P/D gateway ({_gateway_impl(doc)}); {doc['concurrency']} clients in a closed loop of one-image requests "
         f"({doc['output_tokens']} output tokens), {doc['load_s']:.0f} s of load before the kill and again after the restart. "
         "Eject: the kill until the gateway's `epd_stage_instance_up` for the instance reads 0; rejoin: the restarted process ready until it reads 1.",
         "",
@@ -423,7 +428,8 @@ def _soak(doc: dict) -> list[str]:
         "",
         f"Command: `{doc['command']}`  ",
         f"Machine: {_machine(doc)}  ",
-        f"{doc['requests']} one-image E/P/D requests ({doc['output_tokens']} output tokens) at concurrency {doc['concurrency']} in {doc['duration_s']:.0f} s. "
+        f"{doc['requests']} one-image E/P/D requests ({doc['output_tokens']} output tokens) through the {_gateway_impl(doc)} gateway "
+        f"at concurrency {doc['concurrency']} in {doc['duration_s']:.0f} s. "
         f"Lost: {doc['lost']}{' (' + ', '.join(doc['errors']) + ')' if doc['errors'] else ''}. "
         f"E2EL p50 {_fmt(doc['e2el_ms']['median'], 0)} ms, p99 {_fmt(doc['e2el_ms']['p99'], 0)} ms; TTFT p50 {_fmt(doc['ttft_ms']['median'], 0)} ms, p99 {_fmt(doc['ttft_ms']['p99'], 0)} ms.",
         "",
