@@ -90,7 +90,7 @@ func parseRequest(msg *epdv1.GenerateRequest, limits mediaLimits, maxPromptBytes
 				continue
 			case *epdv1.ContentPart_Image:
 				item = mediaItem{item: &epdv1.MediaItem{Media: &epdv1.MediaItem_Image{Image: content.Image}}, modality: epdv1.Modality_MODALITY_IMAGE}
-				item.nbytes = checkFile(content.Image, field+".image", epdv1.Modality_MODALITY_IMAGE, add)
+				item.nbytes = checkFile(content.Image, field+".image", add)
 			case *epdv1.ContentPart_Video:
 				item = mediaItem{item: &epdv1.MediaItem{Media: &epdv1.MediaItem_Video{Video: content.Video}}, modality: epdv1.Modality_MODALITY_VIDEO}
 				item.nbytes = checkVideo(content.Video, field+".video", add)
@@ -126,8 +126,8 @@ func parseRequest(msg *epdv1.GenerateRequest, limits mediaLimits, maxPromptBytes
 
 type addViolation func(field, format string, args ...interface{})
 
-// checkFile checks an encoded file (the MIME type of frames is an image's); returns its size.
-func checkFile(file *epdv1.Media, field string, modality epdv1.Modality, add addViolation) int64 {
+// checkFile checks that an encoded file has bytes and a MIME type (checkSizes checks which); its size.
+func checkFile(file *epdv1.Media, field string, add addViolation) int64 {
 	if len(file.GetData()) == 0 {
 		add(field+".data", "is empty")
 	}
@@ -143,7 +143,7 @@ func checkVideo(video *epdv1.Video, field string, add addViolation) int64 {
 	case nil:
 		add(field+".source", "is required: set file or frames")
 	case *epdv1.Video_File:
-		nbytes = checkFile(source.File, field+".file", epdv1.Modality_MODALITY_VIDEO, add)
+		nbytes = checkFile(source.File, field+".file", add)
 	case *epdv1.Video_Frames:
 		frames := source.Frames
 		if len(frames.GetFrames()) == 0 {
@@ -153,7 +153,7 @@ func checkVideo(video *epdv1.Video, field string, add addViolation) int64 {
 			add(field+".frames.fps", "must be between %s and %s frames per second", pyFloat(minFrameRate), pyFloat(maxFrameRate))
 		}
 		for k, frame := range frames.GetFrames() {
-			nbytes += checkFile(frame, fmt.Sprintf("%s.frames.frames[%d]", field, k), epdv1.Modality_MODALITY_IMAGE, add)
+			nbytes += checkFile(frame, fmt.Sprintf("%s.frames.frames[%d]", field, k), add)
 		}
 	}
 	if video.GetSource() != nil {
@@ -169,7 +169,7 @@ func checkAudio(audio *epdv1.Audio, field string, add addViolation) int64 {
 	case nil:
 		add(field+".source", "is required: set file or pcm")
 	case *epdv1.Audio_File:
-		return checkFile(source.File, field+".file", epdv1.Modality_MODALITY_AUDIO, add)
+		return checkFile(source.File, field+".file", add)
 	case *epdv1.Audio_Pcm:
 		pcm := source.Pcm
 		if len(pcm.GetData()) == 0 {
