@@ -4,7 +4,8 @@
 # client (it installs the toolchain, and generates the SDK when it is missing).
 #
 #   scripts/build_gateway.sh           build
-#   scripts/build_gateway.sh --check   also refuse code gofmt would change, and run go vet (CI)
+#   scripts/build_gateway.sh --check   also refuse code gofmt would change, run go vet and its
+#                                      unit tests (pure logic; CI)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CHECK=0
@@ -18,7 +19,7 @@ export GO111MODULE=off GOPROXY=off GOFLAGS= GOPATH="$PWD/sdk/.gopath:/usr/share/
 if [ "$CHECK" = 1 ]; then
   unformatted=$(gofmt -l gateway/go)
   [ -z "$unformatted" ] || { echo "[gateway] gofmt would change: $unformatted (run gofmt -w gateway/go)" >&2; exit 1; }
-  (cd gateway/go && go vet .)
+  (cd gateway/go && go vet . && go test .)
 fi
 mkdir -p build
 (cd gateway/go && go build -o ../../build/epd-gateway .)

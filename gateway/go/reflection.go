@@ -28,13 +28,13 @@ func registerReflection(server *grpc.Server) {
 				StreamName:    "ServerReflectionInfo",
 				ServerStreams: true,
 				ClientStreams: true,
-				Handler:       func(_ interface{}, stream grpc.ServerStream) error { return reflect(server, stream) },
+				Handler:       func(_ interface{}, stream grpc.ServerStream) error { return answerReflection(server, stream) },
 			}},
 		}, struct{}{})
 	}
 }
 
-func reflect(server *grpc.Server, stream grpc.ServerStream) error {
+func answerReflection(server *grpc.Server, stream grpc.ServerStream) error {
 	sent := map[string]bool{} // files already sent on this stream: a client caches them
 	for {
 		request := &rpb.ServerReflectionRequest{}
