@@ -259,12 +259,10 @@ func newPipeline(c *config, m *metrics) (*pipeline, error) {
 	}
 	switch c.mode {
 	case "epd":
-		p.mode = modeEPD
 		if p.prefills, err = stagePool("prefill", serviceName(epdv1.File_epd_v1_prefill_proto, "PrefillService"), c.prefills); err != nil {
 			return nil, err
 		}
 	case "epd-combined":
-		p.mode = modeCombined
 	default:
 		return nil, fmt.Errorf("--mode %s: the compiled gateway serves epd and epd-combined (monolithic runs in the Python gateway)", c.mode)
 	}

@@ -20,13 +20,6 @@ import (
 // for a modality the model has no metadata-only layout for, or under --forward-media). The
 // gateway knows no model: the engine that prefills renders the chat.
 
-type mode int
-
-const (
-	modeEPD mode = iota
-	modeCombined
-)
-
 const (
 	releaseTimeout  = 5 * time.Second
 	releaseAttempts = 2                // a KV release tries another decode instance once
@@ -44,14 +37,13 @@ func (r retryPolicy) delay(attempt int) time.Duration {
 }
 
 type pipeline struct {
-	mode                 mode
 	limits               mediaLimits
 	maxPromptBytes       int
 	forwardMedia         bool // the benchmarks' baseline: later stages get every item's media
 	localPrefillFallback bool // with no live prefill instance, a decode instance prefills (E+PD)
 	retry                retryPolicy
 	encoders             *pool
-	prefills             *pool // nil in E+PD
+	prefills             *pool // nil in E+PD (--mode epd-combined)
 	decodes              *pool
 	keys                 *affinityKeys
 	metrics              *metrics
