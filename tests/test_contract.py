@@ -46,6 +46,12 @@ async def _reflect(channel: grpc.aio.Channel, version: str, requests: list[refle
     return [response async for response in call(iter(requests), timeout=10)]
 
 
+def _files(response: reflection_pb2.ServerReflectionResponse) -> dict[str, descriptor_pb2.FileDescriptorProto]:
+    """The file descriptors a reflection answer carries, by name, in the order sent."""
+    parsed = [descriptor_pb2.FileDescriptorProto.FromString(b) for b in response.file_descriptor_response.file_descriptor_proto]
+    return {file.name: file for file in parsed}
+
+
 @pytest.mark.parametrize("version", ["v1", "v1alpha"])
 async def test_reflection_answers_v1_and_v1alpha(version):
     host = GrpcHost(ServerConfig(), service_name="reflection-test", full_service_name="epd.v1.GatewayService")
@@ -65,11 +71,11 @@ async def test_reflection_answers_v1_and_v1alpha(version):
     finally:
         await host.server.stop(0)
     assert sorted(s.name for s in listed.list_services_response.service) == ALL_SERVICES
-    files = {descriptor_pb2.FileDescriptorProto.FromString(b).name: descriptor_pb2.FileDescriptorProto.FromString(b) for b in gateway_file.file_descriptor_response.file_descriptor_proto}
+    files = _files(gateway_file)
     assert files["epd/v1/gateway.proto"].service[0].name == "GatewayService"
     assert {"epd/v1/common.proto", "epd/v1/multimodal.proto", "google/protobuf/duration.proto"} <= files.keys()  # its dependencies come along
     # v1 reflects on itself: its own descriptor, in its own package.
-    v1 = descriptor_pb2.FileDescriptorProto.FromString(v1_file.file_descriptor_response.file_descriptor_proto[0])
+    v1 = next(iter(_files(v1_file).values()))
     assert (v1.name, v1.package) == ("grpc/reflection/v1/reflection.proto", "grpc.reflection.v1")
     method = v1.service[0].method[0]
     assert (method.name, method.input_type, method.output_type) == (
@@ -98,11 +104,11 @@ async def test_the_compiled_gateway_answers_reflection(family_stack, version):
             ],
         )
     assert sorted(s.name for s in listed.list_services_response.service) == ALL_SERVICES
-    files = {descriptor_pb2.FileDescriptorProto.FromString(b).name: descriptor_pb2.FileDescriptorProto.FromString(b) for b in gateway_file.file_descriptor_response.file_descriptor_proto}
+    files = _files(gateway_file)
     assert files["epd/v1/gateway.proto"].service[0].name == "GatewayService"
     assert {"epd/v1/common.proto", "epd/v1/multimodal.proto", "google/protobuf/duration.proto"} <= files.keys()
     # Asked again on the same stream, the file comes alone: the client holds its imports.
-    assert [descriptor_pb2.FileDescriptorProto.FromString(b).name for b in again.file_descriptor_response.file_descriptor_proto] == ["epd/v1/gateway.proto"]
+    assert list(_files(again)) == ["epd/v1/gateway.proto"]
     assert missing.error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
 
 

@@ -57,7 +57,11 @@ func (f *family) add(delta float64, values ...string) {
 func (f *family) set(on bool, values ...string) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	f.get(values).value = map[bool]float64{true: 1, false: 0}[on]
+	value := 0.0
+	if on {
+		value = 1
+	}
+	f.get(values).value = value
 }
 
 func (f *family) remove(values ...string) {
