@@ -58,6 +58,7 @@ type clock struct {
 	decodeStarted    time.Time
 	decode           time.Duration
 	ttft             time.Duration
+	total            time.Duration // set by finished; record observes the same figure the reply reported
 	lastToken        time.Time
 	tokens           uint32
 	promptTokens     uint32 // the expanded prompt, once the engine that decodes has it
@@ -78,7 +79,7 @@ func (c *clock) token(count int) {
 
 // finished: the request's last message; a decode still running counts until now.
 func (c *clock) finished(reason epdv1.FinishReason) *epdv1.GenerateFinished {
-	total := time.Since(c.start)
+	c.total = time.Since(c.start)
 	decode := c.decode
 	if !c.decodeStarted.IsZero() && decode == 0 {
 		decode = time.Since(c.decodeStarted)
@@ -88,14 +89,14 @@ func (c *clock) finished(reason epdv1.FinishReason) *epdv1.GenerateFinished {
 		Usage:        &epdv1.Usage{PromptTokens: c.promptTokens, CompletionTokens: c.tokens, MultimodalTokens: c.multimodalTokens},
 		Timings: &epdv1.StageTimings{
 			Encode: durationpb.New(c.encode), Prefill: durationpb.New(c.prefill), Decode: durationpb.New(decode),
-			TimeToFirstToken: durationpb.New(c.ttft), Total: durationpb.New(total),
+			TimeToFirstToken: durationpb.New(c.ttft), Total: durationpb.New(c.total),
 		},
 	}
 }
 
-// record observes a completed request's latencies.
+// record observes a completed request's latencies, as finished reported them.
 func (c *clock) record() {
-	total := time.Since(c.start)
+	total := c.total
 	c.m.e2el.observe(total.Seconds())
 	c.m.gatewayOwn.observe((total - c.encode - c.prefill - c.decode).Seconds())
 	if c.tokens > 1 {
