@@ -211,8 +211,8 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument(
         "--gateway-impl",
         choices=["python", "go"],
-        default="python",
-        help="epd and epd-combined: the gateway to run (go: the compiled one, built by scripts/build_gateway.sh; it has no HTTP front)",
+        default=None,
+        help="epd and epd-combined: the gateway to run (default: go, the compiled one, built by scripts/build_gateway.sh; python with --http-port, as only the Python gateway has the HTTP front)",
     )
     _flags(up, _gateway_config_class(), ["http_port"])
 

@@ -264,10 +264,11 @@ def up_cli(args) -> int:
     from epd.checkpoints import ensure_tiny_checkpoint
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    gateway_impl = up_gateway_impl(args)
     model = args.model or str(ensure_tiny_checkpoint(args.family, pathlib.Path("checkpoints")))
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the stack as Ctrl-C does
     stack = Stack()
-    print(f"[epd up] model={model} mode={args.mode}; logs in {stack.log_dir}", flush=True)
+    print(f"[epd up] model={model} mode={args.mode} gateway={gateway_impl}; logs in {stack.log_dir}", flush=True)
     http = ["--http-port", str(args.http_port)] if args.http_port >= 0 else []
     try:
         if args.mode == "monolithic":
@@ -281,7 +282,7 @@ def up_cli(args) -> int:
                 encoders=args.encoders,
                 prefills=args.prefills,
                 decodes=args.decodes,
-                gateway_extra=[*http, "--impl", args.gateway_impl],
+                gateway_extra=[*http, "--impl", gateway_impl],
                 encoder_extra=shared,
             )
         for service in stack.services:
@@ -300,28 +301,58 @@ def up_cli(args) -> int:
         stack.stop()
 
 
+def up_gateway_impl(args) -> str:
+    """The gateway ``epd up`` runs: the compiled one (what deploy/ runs; it adds a third of the
+    Python gateway's latency, BENCHMARKS.md) unless the stack needs what only the Python gateway
+    has (the monolithic oracle, the HTTP front). A missing binary is said before any engine starts."""
+    needs_python = "--mode monolithic" if args.mode == "monolithic" else "--http-port" if args.http_port >= 0 else None
+    impl = args.gateway_impl or ("python" if needs_python else "go")
+    if impl == "go":
+        from gateway import compiled
+
+        if needs_python:
+            raise SystemExit(f"epd up: the compiled gateway (--gateway-impl go) does not serve {needs_python}; use --gateway-impl python")
+        if not compiled.BINARY.is_file():
+            raise SystemExit(
+                f"epd up: the compiled gateway {compiled.BINARY} is missing; build it with scripts/build_gateway.sh, or pass --gateway-impl python"
+            )
+    return impl
+
+
 def _interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-async def _demo(address: str, model: str) -> int:
-    """One streamed request with media the model's processor takes: an image, a clip and a
-    tone, as it has an image processor, a video processor and an audio feature extractor."""
+DEMO_PROMPT = "Describe what you see and hear."
+DEMO_MAX_TOKENS = 24
+
+
+def demo_media(model: str) -> dict[str, bytes]:
+    """The demo's media, by file name: an image, a clip and a tone, as the model's processor has
+    an image processor, a video processor and an audio feature extractor."""
     from transformers import AutoProcessor
 
-    from epd.client import generate_cli
     from epd.testing import sine_wav, synthetic_image_png, synthetic_video
 
     processor = AutoProcessor.from_pretrained(model)
-    folder = pathlib.Path(tempfile.mkdtemp())
-    files = []
+    media = {}
     if getattr(processor, "image_processor", None) is not None:
-        files.append((folder / "demo.png", synthetic_image_png(160, 120, seed=1)))
+        media["demo.png"] = synthetic_image_png(160, 120, seed=1)
     if getattr(processor, "video_processor", None) is not None:
-        files.append((folder / "demo.mp4", synthetic_video(96, 64, 24, fps=8.0, seed=2)))
+        media["demo.mp4"] = synthetic_video(96, 64, 24, fps=8.0, seed=2)
     if getattr(processor, "feature_extractor", None) is not None:
-        files.append((folder / "demo.wav", sine_wav(1.5, seed=3)))
-    for path, data in files:
-        path.write_bytes(data)
-    print(f"[epd up] demo: Generate with {', '.join(str(p) for p, _ in files)} streamed through {address}:", flush=True)
-    return await generate_cli(address, "Describe what you see and hear.", [p for p, _ in files], max_tokens=24, temperature=0.0)
+        media["demo.wav"] = sine_wav(1.5, seed=3)
+    return media
+
+
+async def _demo(address: str, model: str) -> int:
+    """One streamed request with every kind of media the model takes."""
+    from epd.client import generate_cli
+
+    folder = pathlib.Path(tempfile.mkdtemp())
+    media = demo_media(model)
+    for name, data in media.items():
+        (folder / name).write_bytes(data)
+    files = [folder / name for name in media]
+    print(f"[epd up] demo: Generate with {', '.join(map(str, files))} streamed through {address}:", flush=True)
+    return await generate_cli(address, DEMO_PROMPT, files, max_tokens=DEMO_MAX_TOKENS, temperature=0.0)
