@@ -41,6 +41,10 @@ import (
 
 const maxMessageBytes = 64 * 1024 * 1024 // as every EPD service: inline embeddings and media must fit
 
+// trailersFlushWindow: at the end of a drain, how long the last calls' statuses may take to be
+// written before the connections are closed.
+const trailersFlushWindow = time.Second
+
 type stringList []string
 
 func (l *stringList) String() string     { return strings.Join(*l, ",") }
@@ -223,15 +227,23 @@ func serve(c *config) error {
 	// accepting and let streams finish.
 	close(draining)
 	healthServer.Shutdown()
-	go server.GracefulStop() // no new connections or calls from here on
-	// grpc-go 1.33's GracefulStop also waits for clients to close their connections, which a
-	// client holding a channel open never does: wait for the calls instead, then close.
+	stopped := make(chan struct{})
+	go func() { server.GracefulStop(); close(stopped) }() // no new connections or calls from here on
+	// grpc-go 1.33's GracefulStop also waits for clients to close their connections, which one
+	// with a health Watch open never does: wait for the calls instead.
 	drained := make(chan struct{})
 	go func() { servicer.calls.Wait(); close(drained) }()
 	select {
 	case <-drained:
 	case <-time.After(c.drainGrace):
 		log.Printf("WARNING calls still running after --drain-grace-s %s; closing them", c.drainGrace)
+	}
+	// A call's status is queued, not yet written, when its handler returns, and Stop drops what
+	// is queued: the client would see its stream cut ("Socket closed") instead of its trailers.
+	// Clients close their connections once their calls have ended; wait for that a moment.
+	select {
+	case <-stopped:
+	case <-time.After(trailersFlushWindow):
 	}
 	server.Stop()
 	for _, stagePool := range p.pools() {
