@@ -65,6 +65,23 @@ async def _wait_gauge(gateway: ServiceProcess, stage: str, address: str, wanted:
     return None
 
 
+async def _wait_port_closed(address: str, timeout: float) -> float | None:
+    """Seconds until the address refuses connections: the killed process has exited (its sockets
+    close last, after its memory is torn down), so the gateway could have seen it go."""
+    host, port = address.rsplit(":", 1)
+    started = time.perf_counter()
+    while time.perf_counter() - started < timeout:
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), _POLL_S)
+            writer.close()
+        except ConnectionRefusedError:
+            return time.perf_counter() - started
+        except OSError:  # a timeout, on a saturated host: ask again
+            pass
+        await asyncio.sleep(_POLL_S)
+    return None
+
+
 def _start(stack: Stack, model: str) -> dict[str, ServiceProcess]:
     services = {}
     for stage, args in (("encoder", ["encoder"]), ("prefill", ["prefill"]), ("decode", ["decode", "--mode", "decode"])):
@@ -118,10 +135,10 @@ async def _scenario(stack: Stack, services: dict[str, ServiceProcess], stage: st
     await asyncio.sleep(load_s)
     killed_at = time.perf_counter()
     victim.kill()
-    eject_s = await _wait_gauge(gateway, stage, victim.address, 0.0, 30)
+    gone_s, eject_s = await asyncio.gather(_wait_port_closed(victim.address, 30), _wait_gauge(gateway, stage, victim.address, 0.0, 30))
     victim.process.wait(30)
     stack.services.remove(victim)
-    result: dict[str, Any] = {"stage": stage, "eject_s": eject_s}
+    result: dict[str, Any] = {"stage": stage, "gone_s": gone_s, "eject_s": eject_s}
     if stage == "decode":
         await asyncio.sleep(load_s)
     else:

@@ -344,7 +344,7 @@ def _encoder_cache(doc: dict) -> list[str]:
         "",
         "| arm | requests | unique images | tower runs | cache hits | shared hits | vLLM cache | encode p50 ms "
         "| TTFT p50 / p99 ms | TTFT p50 first / repeat ms | E2EL p50 / p99 ms | tokens equal monolithic | failed |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in doc["results"]:
         encode = r.get("encode_ms")
@@ -396,15 +396,16 @@ def _faults(doc: dict) -> list[str]:
         f"Machine: {_machine(doc)}  ",
         f"Two encoders, two prefills and two decodes behind one E/P/D gateway ({_gateway_impl(doc)}); {doc['concurrency']} clients in a closed loop of one-image requests "
         f"({doc['output_tokens']} output tokens), {doc['load_s']:.0f} s of load before the kill and again after the restart. "
-        "Eject: the kill until the gateway's `epd_stage_instance_up` for the instance reads 0; rejoin: the restarted process ready until it reads 1.",
+        "Gone: the kill until the instance's port refuses connections (its processes have exited, sockets last); eject: the kill until the gateway's "
+        "`epd_stage_instance_up` for the instance reads 0 (both polled every 50 ms); rejoin: the restarted process ready until it reads 1.",
         "",
-        "| killed | requests | failed | in flight on it, ended | failed, started after the kill | first success after the kill s | eject s | rejoin s | tokens differing | late KV notifications | KV releases | KV-lease retries | E2EL p50 / p99 ms |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| killed | requests | failed | in flight on it, ended | failed, started after the kill | first success after the kill s | gone s | eject s | rejoin s | tokens differing | late KV notifications | KV releases | KV-lease retries | E2EL p50 / p99 ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in doc["results"]:
         lines.append(
             f"| {r['stage']} | {r['requests']} | {r['failed']} | {r['ended_in_flight']} | {r['failed_started_after_kill']} | {_seconds(r['first_success_after_kill_s'])} "
-            f"| {_seconds(r['eject_s'])} | {_seconds(r.get('rejoin_s')) if 'rejoin_s' in r else 'n/a (not restarted)'} | {r['wrong_tokens']} "
+            f"| {_seconds(r.get('gone_s'))} | {_seconds(r['eject_s'])} | {_seconds(r.get('rejoin_s')) if 'rejoin_s' in r else 'n/a (not restarted)'} | {r['wrong_tokens']} "
             f"| {_fmt(r.get('late_kv_notifications'), 0)} | {_fmt(r.get('kv_releases'), 0)} | {_fmt(r.get('kv_lease_retries'), 0)} | {_fmt(r['e2el_ms']['median'], 0)} / {_fmt(r['e2el_ms']['p99'], 0)} |"
         )
     errors = "; ".join(f"{r['stage']}: {', '.join(r['errors'])}" for r in doc["results"] if r["errors"])
