@@ -305,7 +305,11 @@ def up_gateway_impl(args) -> str:
     """The gateway ``epd up`` runs: the compiled one (what deploy/ runs; it adds a third of the
     Python gateway's latency, BENCHMARKS.md) unless the stack needs what only the Python gateway
     has (the monolithic oracle, the HTTP front). A missing binary is said before any engine starts."""
-    needs_python = "--mode monolithic" if args.mode == "monolithic" else "--http-port" if args.http_port >= 0 else None
+    needs_python = None
+    if args.mode == "monolithic":
+        needs_python = "--mode monolithic"
+    elif args.http_port >= 0:
+        needs_python = "--http-port"
     impl = args.gateway_impl or ("python" if needs_python else "go")
     if impl == "go":
         from gateway import compiled

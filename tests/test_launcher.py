@@ -84,9 +84,7 @@ def test_epd_up_stops_every_process_on_sigterm(tmp_path):
     """SIGTERM while the stack is still coming up (the moment ``epd up`` used to leave vLLM
     engine processes behind): every service group ends, and ``epd up`` exits."""
     model = checkpoint("qwen2_5_vl")
-    up = subprocess.Popen(
-        [sys.executable, "-m", "epd.cli", "up", "--model", str(model), "--mode", "epd-combined"], cwd=tmp_path, stdout=subprocess.DEVNULL
-    )
+    up = subprocess.Popen([sys.executable, "-m", "epd.cli", "up", "--model", str(model), "--mode", "epd-combined"], cwd=tmp_path, stdout=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + _STARTUP_S
         while not any(child.children() for child in psutil.Process(up.pid).children()):
@@ -134,13 +132,8 @@ async def test_the_readme_demo_streams_through_the_compiled_gateway_what_monolit
     """`epd up --demo` (what scripts/demo.sh runs) starts E/P/D behind the compiled gateway by
     default and streams the demo request; its text and token count are those of the monolithic
     vLLM run of the same request."""
-    demo = subprocess.run(
-        [sys.executable, "-m", "epd.cli", "up", "--model", family_stack.model, "--demo"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=2 * _STARTUP_S,
-    )
+    command = [sys.executable, "-m", "epd.cli", "up", "--model", family_stack.model, "--demo"]
+    demo = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=2 * _STARTUP_S)
     assert demo.returncode == 0, demo.stderr[-3000:]
     assert "mode=epd gateway=go" in demo.stdout
     streamed, finish = demo.stdout.split("streamed through ", 1)[1].split(":\n", 1)[1].rsplit("\n[finish=", 1)

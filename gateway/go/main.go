@@ -229,8 +229,8 @@ func serve(c *config) error {
 	healthServer.Shutdown()
 	stopped := make(chan struct{})
 	go func() { server.GracefulStop(); close(stopped) }() // no new connections or calls from here on
-	// grpc-go 1.33's GracefulStop also waits for clients to close their connections, which one
-	// with a health Watch open never does: wait for the calls instead.
+	// grpc-go 1.33's GracefulStop also waits for clients to close their connections, which a
+	// client holding a channel open never does: wait for the calls instead.
 	drained := make(chan struct{})
 	go func() { servicer.calls.Wait(); close(drained) }()
 	select {
@@ -240,7 +240,7 @@ func serve(c *config) error {
 	}
 	// A call's status is queued, not yet written, when its handler returns, and Stop drops what
 	// is queued: the client would see its stream cut ("Socket closed") instead of its trailers.
-	// Clients close their connections once their calls have ended; wait for that a moment.
+	// GracefulStop may finish meanwhile (every client closed its connection); else wait a moment.
 	select {
 	case <-stopped:
 	case <-time.After(trailersFlushWindow):
