@@ -7,7 +7,9 @@ import (
 	"context"
 	"math"
 	"reflect"
+	"sync"
 	"testing"
+	"time"
 
 	epdv1 "epd/sdk/go/epd/v1"
 	"google.golang.org/grpc"
@@ -184,4 +186,43 @@ func TestBadRequestsNameEveryFieldAtOnce(t *testing.T) {
 	if _, err := parseRequest(text, mediaLimits{maxItemBytes: 1, maxRequestBytes: 1}, 11); err == nil || err.violations[0].field != "messages" {
 		t.Fatalf("twelve bytes of text over an 11-byte limit: got %+v", err)
 	}
+}
+
+func TestCallCountWaitsForEveryCallAndMayRiseFromZeroWhileWaitedOn(t *testing.T) {
+	c := newCallCount()
+	c.wait() // no call: at once
+	c.add(1)
+	drained := make(chan struct{})
+	go func() { c.wait(); close(drained) }()
+	select {
+	case <-drained:
+		t.Fatalf("wait returned while a call ran")
+	case <-time.After(20 * time.Millisecond):
+	}
+	c.add(-1)
+	select {
+	case <-drained:
+	case <-time.After(time.Second):
+		t.Fatalf("wait did not return once the call ended")
+	}
+	// Calls starting from zero while drains wait (a sync.WaitGroup panics on this).
+	var wg sync.WaitGroup
+	for i := 0; i < 8; i++ {
+		wg.Add(2)
+		go func() {
+			defer wg.Done()
+			for k := 0; k < 2000; k++ {
+				c.add(1)
+				c.add(-1)
+			}
+		}()
+		go func() {
+			defer wg.Done()
+			for k := 0; k < 200; k++ {
+				c.wait()
+			}
+		}()
+	}
+	wg.Wait()
+	c.wait()
 }

@@ -171,7 +171,7 @@ func serve(c *config) error {
 	}
 	defer traces.close()
 	server := grpc.NewServer(serverOptions...)
-	servicer := &gatewayServicer{pipeline: p, metrics: m, traces: traces, inFlight: map[string]*run{}}
+	servicer := &gatewayServicer{pipeline: p, metrics: m, traces: traces, inFlight: map[string]*run{}, calls: newCallCount()}
 	epdv1.RegisterGatewayServiceServer(server, servicer)
 	healthServer := health.NewServer()
 	healthpb.RegisterHealthServer(server, healthServer)
@@ -232,7 +232,7 @@ func serve(c *config) error {
 	// grpc-go 1.33's GracefulStop also waits for clients to close their connections, which a
 	// client holding a channel open never does: wait for the calls instead.
 	drained := make(chan struct{})
-	go func() { servicer.calls.Wait(); close(drained) }()
+	go func() { servicer.calls.wait(); close(drained) }()
 	select {
 	case <-drained:
 	case <-time.After(c.drainGrace):

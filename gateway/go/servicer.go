@@ -23,7 +23,39 @@ type gatewayServicer struct {
 	traces   *exporter
 	mu       sync.Mutex
 	inFlight map[string]*run
-	calls    sync.WaitGroup // every call being handled: draining waits for them
+	calls    *callCount // every call being handled: draining waits for them
+}
+
+// callCount counts the calls being handled and the pipelines winding down after them. Unlike a
+// sync.WaitGroup it may rise from zero while a drain waits on it (a call grpc-go dispatched as
+// the drain began), where a WaitGroup panics.
+type callCount struct {
+	mu   sync.Mutex
+	n    int
+	idle *sync.Cond
+}
+
+func newCallCount() *callCount {
+	c := &callCount{}
+	c.idle = sync.NewCond(&c.mu)
+	return c
+}
+
+func (c *callCount) add(delta int) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.n += delta; c.n == 0 {
+		c.idle.Broadcast()
+	}
+}
+
+// wait returns once no call is being handled.
+func (c *callCount) wait() {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for c.n > 0 {
+		c.idle.Wait()
+	}
 }
 
 // run: one Generate call, as Abort finds it.
@@ -57,9 +89,9 @@ func (s *gatewayServicer) Generate(msg *epdv1.GenerateRequest, stream epdv1.Gate
 		}()
 		out := newOutbox()
 		ended := make(chan struct{})
-		s.calls.Add(1) // it may wind down after this call returns: draining waits for it too
+		s.calls.add(1) // it may wind down after this call returns: draining waits for it too
 		go func() {
-			defer s.calls.Done()
+			defer s.calls.add(-1)
 			defer close(ended)
 			defer cancel()
 			out.end(s.pipeline.generate(pipelineCtx, r, c, out.put))
@@ -134,8 +166,8 @@ func (s *gatewayServicer) Abort(ctx context.Context, msg *epdv1.AbortRequest) (*
 // handle runs a call in its SERVER span, counts it by its outcome and turns a failure into its
 // rich status.
 func (s *gatewayServicer) handle(ctx context.Context, method string, body func(context.Context) *requestError) error {
-	s.calls.Add(1)
-	defer s.calls.Done()
+	s.calls.add(1)
+	defer s.calls.add(-1)
 	s.metrics.inFlight.add(1, "gateway")
 	defer s.metrics.inFlight.add(-1, "gateway")
 	ctx, serverSpan := s.traces.startServerSpan(ctx, "/epd.v1.GatewayService/"+method)
