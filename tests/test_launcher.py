@@ -4,6 +4,7 @@ only processes it started, by PID."""
 
 from __future__ import annotations
 
+import contextlib
 import mimetypes
 import os
 import pathlib
@@ -11,13 +12,14 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 
 import psutil
 import pytest
 
 from epd.cli import build_parser
 from epd.client import chat_request, generate
-from epd.launcher import DEMO_MAX_TOKENS, DEMO_PROMPT, demo_media, up_gateway_impl
+from epd.launcher import DEMO_MAX_TOKENS, DEMO_PROMPT, demo_media, gateway_args, up_gateway_impl
 from gateway import compiled
 from tests.conftest import checkpoint
 
@@ -55,29 +57,37 @@ def _assert_groups_end(groups: set[int]) -> None:
     assert not left, [p.cmdline()[:4] for p in left]
 
 
-def test_services_stop_when_their_launcher_is_killed(tmp_path):
-    """SIGKILL gives the launcher no chance to clean up: the service notices it was orphaned,
-    stops itself and takes its engine process with it."""
-    model = checkpoint("qwen2_5_vl")
+@contextlib.contextmanager
+def _killable_launcher(tmp_path: pathlib.Path, name: str, args: list[str], *, wait_ready: bool = False) -> Iterator[tuple[subprocess.Popen, int]]:
+    """A Python process that starts one service with epd's launcher and sleeps, for the test to
+    SIGKILL; yields it and the service's PID (its own process group)."""
     script = (
-        "import sys, time\n"
+        "import time\n"
         "from epd.launcher import Stack\n"
-        f"service = Stack({str(tmp_path)!r}).start('prefill', ['prefill', '--model', {str(model)!r}])\n"
-        "print(service.process.pid, flush=True)\n"
+        f"service = Stack({str(tmp_path)!r}).start({name!r}, {args!r})\n"
+        + ("service.wait_ready(60)\n" if wait_ready else "")
+        + "print(service.process.pid, flush=True)\n"
         "time.sleep(600)\n"
     )
     launcher = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         service_pid = int(launcher.stdout.readline())
         assert os.getpgid(service_pid) == service_pid  # its own process group
-        _wait_for_engine_process(service_pid, tmp_path / "prefill.log")
-        launcher.kill()
-        launcher.wait()
-        _assert_groups_end({service_pid})
+        yield launcher, service_pid
     finally:
         if launcher.poll() is None:
             launcher.kill()
             launcher.wait()
+
+
+def test_services_stop_when_their_launcher_is_killed(tmp_path):
+    """SIGKILL gives the launcher no chance to clean up: the service notices it was orphaned,
+    stops itself and takes its engine process with it."""
+    with _killable_launcher(tmp_path, "prefill", ["prefill", "--model", str(checkpoint("qwen2_5_vl"))]) as (launcher, service_pid):
+        _wait_for_engine_process(service_pid, tmp_path / "prefill.log")
+        launcher.kill()
+        launcher.wait()
+        _assert_groups_end({service_pid})
 
 
 def test_epd_up_stops_every_process_on_sigterm(tmp_path):
@@ -104,28 +114,14 @@ def test_the_compiled_gateway_stops_when_its_launcher_is_killed(tmp_path):
     """`epd gateway --impl go` replaces the Python process with the compiled gateway (same PID,
     same process group), which watches its launcher itself: SIGKILL the launcher and it drains
     and exits. Nothing listens at its stage addresses; it needs none to start."""
-    script = (
-        "import time\n"
-        "from epd.launcher import Stack, gateway_args\n"
-        "stage = '127.0.0.1:9'\n"
-        f"gateway = Stack({str(tmp_path)!r}).start('gateway', gateway_args('m', 'epd', encoders=[stage], prefills=[stage], decodes=[stage], extra=['--impl', 'go']))\n"
-        "gateway.wait_ready(60)\n"
-        "print(gateway.process.pid, flush=True)\n"
-        "time.sleep(600)\n"
-    )
-    launcher = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
-    try:
-        gateway_pid = int(launcher.stdout.readline())
-        assert os.getpgid(gateway_pid) == gateway_pid  # its own process group
+    stage = "127.0.0.1:9"
+    args = gateway_args("m", "epd", encoders=[stage], prefills=[stage], decodes=[stage], extra=["--impl", "go"])
+    with _killable_launcher(tmp_path, "gateway", args, wait_ready=True) as (launcher, gateway_pid):
         assert psutil.Process(gateway_pid).exe().endswith("epd-gateway")  # exec'd: the compiled binary
         launcher.kill()
         launcher.wait()
         _assert_groups_end({gateway_pid})
         assert "the launcher (pid" in (tmp_path / "gateway.log").read_text()
-    finally:
-        if launcher.poll() is None:
-            launcher.kill()
-            launcher.wait()
 
 
 async def test_the_readme_demo_streams_through_the_compiled_gateway_what_monolithic_vllm_generates(family_stack, tmp_path):
