@@ -5,7 +5,5 @@ RUN apt-get update -qq && apt-get install -y -qq --no-install-recommends git bui
 WORKDIR /opt/epd
 COPY . .
 RUN ./scripts/install-cpu.sh
-# The compiled gateway (`epd gateway --impl go`, what deploy/base runs): Go from Debian, offline.
-RUN ./scripts/build_gateway.sh
 ENV PATH=/opt/epd/.venv/bin:$PATH
 ENTRYPOINT ["epd"]

@@ -15,8 +15,6 @@ from collections.abc import Sequence
 from typing import Any
 
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
-# The gateway the fault and soak experiments put under load: the one deploy/ runs (`--impl go`).
-RESILIENCE_GATEWAY_IMPL = "go"
 # The experiments, in the order the suite runs them and the report shows them (bench.__main__
 # runs them, bench.report renders them; both import these names from here, never each other).
 SERVING_EXPERIMENTS = ("serving", "serving_video", "serving_audio", "serving_omni")

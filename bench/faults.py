@@ -25,7 +25,7 @@ from typing import Any
 
 import grpc
 
-from bench.common import RESILIENCE_GATEWAY_IMPL, RESULTS_DIR, progress, summarize, write_result
+from bench.common import RESULTS_DIR, progress, summarize, write_result
 from bench.workload import Sent, closed_loop
 from epd.client import chat_request, generate
 from epd.launcher import ServiceProcess, Stack, gateway_args
@@ -89,7 +89,7 @@ def _start(stack: Stack, model: str) -> dict[str, ServiceProcess]:
             services[f"{stage}{index}"] = stack.start(f"{stage}{index}", [*args, "--model", model, "--metrics-port", "0"])
     stack.wait_ready(list(services.values()), timeout=900)
     addresses = {stage: [services[f"{stage}{i}"].address for i in range(2)] for stage in ("encoder", "prefill", "decode")}
-    args = gateway_args(model, "epd", encoders=addresses["encoder"], prefills=addresses["prefill"], decodes=addresses["decode"], extra=["--metrics-port", "0", "--impl", RESILIENCE_GATEWAY_IMPL])
+    args = gateway_args(model, "epd", encoders=addresses["encoder"], prefills=addresses["prefill"], decodes=addresses["decode"], extra=["--metrics-port", "0"])
     services["gateway"] = stack.start("gateway", args)
     stack.wait_ready([services["gateway"]], timeout=300)
     return services
@@ -197,4 +197,4 @@ def run(*, quick: bool = False, results_dir: pathlib.Path = RESULTS_DIR, command
             await asyncio.to_thread(stack.stop)
 
     results = asyncio.run(experiment())
-    return write_result(NAME, {"model": model, "gateway_impl": RESILIENCE_GATEWAY_IMPL, "concurrency": CONCURRENCY, "output_tokens": OUTPUT_TOKENS, "load_s": load_s, "results": results}, command=command, results_dir=results_dir)
+    return write_result(NAME, {"model": model, "concurrency": CONCURRENCY, "output_tokens": OUTPUT_TOKENS, "load_s": load_s, "results": results}, command=command, results_dir=results_dir)

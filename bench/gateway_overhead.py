@@ -64,7 +64,9 @@ OUTPUT_TOKENS = 16  # bench/go_stages answers with as many
 DEFAULT_REQUESTS = 300
 QUICK_REQUESTS = 30
 WARMUP = 20
-GOAL_P50_MS = 2.0
+# Goals: EPD's own work (the gateway minus the bare grpc.aio relay of the same hops) within this
+# much p50, and no more CPU per request than that relay.
+GOAL_OVER_RELAY_P50_MS = 0.5
 
 
 def _serve_bare_relay(stage_address: str, ports: multiprocessing.Queue) -> None:
@@ -180,16 +182,15 @@ def run(*, quick: bool = False, num_requests: int | None = None, results_dir: pa
             processes.callback(_stop_process, relay)
             args = gateway_args(MODEL_NAME, "epd", encoders=[stages_address], prefills=[stages_address], decodes=[stages_address])
             gateway = stack.start("gateway-overhead", args)
-            go_gateway = stack.start("go-gateway-overhead", [*args, "--impl", "go"])
             processes.callback(stack.stop)
-            stack.wait_ready([gateway, go_gateway], 120)
-            paths = {"gateway": gateway.address, "go_gateway": go_gateway.address, "relay": f"127.0.0.1:{ports.get(True, 60)}", "go_relay": go_relay_address}
-            pids = {"gateway": gateway.process.pid, "go_gateway": go_gateway.process.pid, "relay": relay.pid, "go_relay": go_relay.pid}
+            stack.wait_ready([gateway], 120)
+            paths = {"gateway": gateway.address, "relay": f"127.0.0.1:{ports.get(True, 60)}", "go_relay": go_relay_address}
+            pids = {"gateway": gateway.process.pid, "relay": relay.pid, "go_relay": go_relay.pid}
             return _measure(go_stages, paths, stages_address, requests, pids, scratch)
 
     with tempfile.TemporaryDirectory(prefix="epd-gateway-overhead-") as scratch:
         result = experiment(pathlib.Path(scratch))
-    result.update(model=MODEL_NAME, output_tokens=OUTPUT_TOKENS, goal_p50_ms=GOAL_P50_MS)
+    result.update(model=MODEL_NAME, output_tokens=OUTPUT_TOKENS, goal_over_relay_p50_ms=GOAL_OVER_RELAY_P50_MS)
     progress(
         f"{NAME}: p50 {result['latency_ms']['median']:.2f} ms (floor {result['direct_ms']['median']:.2f}, added {result['added_ms']['median']:.2f}, "
         f"bare relay {result['relay_ms']['median']:.2f}, grpc-go relay {result['go_relay_ms']['median']:.2f}), "

@@ -4,12 +4,10 @@
   sends the original media to prefill and decode, which decode it and re-run the processor for
   the layout; embeddings still come over NIXL). Same services, same requests, same arrivals.
 - **Topologies:** monolithic vs E+PD vs E/P/D at the same offered load.
-- **The compiled gateway:** ``epd-go`` runs the same E/P/D requests through ``epd gateway
-  --impl go`` (``gateway/go``) instead of the Python gateway.
 - **A compiled data path:** ``epd-go-relay`` runs the same E/P/D requests through the same
   stages by way of ``bench/go_stages/relay.go`` (EPD's data path alone in grpc-go: no routing,
   retries, validation, spans or metrics) instead of the gateway: what the hops cost a compiled
-  runtime, beside what they cost the gateways. It is a measuring instrument, not a gateway.
+  runtime, beside what they cost the gateway. It is a measuring instrument, not a gateway.
 - **The client** is compiled too (``bench/go_stages -role load``), so that its own cost is small
   and the same for every arm.
 - **Gateway overhead:** client-observed E2EL minus the gateway's timed stage calls; and of it,
@@ -50,7 +48,7 @@ from bench.workload import STAGES, WorkloadSpec, build_requests, run_load, salte
 from epd.launcher import ServiceProcess, Stack, gateway_args, start_monolithic
 from epd.telemetry import scrape
 
-ARMS = ("monolithic", "epd-combined", "epd", "epd-go", "epd-forward-media", "epd-go-relay")
+ARMS = ("monolithic", "epd-combined", "epd", "epd-forward-media", "epd-go-relay")
 LOADS = ("poisson", "saturation")
 
 
@@ -77,7 +75,6 @@ def _start(stack: Stack, model: str) -> dict[str, ServiceProcess]:
     services["gateway-monolithic"] = start_monolithic(stack, model, extra=["--no-caches", *observability])
     epd = dict(encoders=[encoder.address], prefills=[prefill.address], decodes=[decode.address])
     services["gateway-epd"] = stack.start("gateway-epd", gateway_args(model, "epd", **epd, extra=observability))
-    services["gateway-epd-go"] = stack.start("gateway-epd-go", gateway_args(model, "epd", **epd, extra=["--impl", "go", *observability]))
     services["gateway-epd-forward-media"] = stack.start("gateway-epd-forward-media", gateway_args(model, "epd", **epd, extra=["--forward-media", *observability]))
     services["gateway-epd-combined"] = stack.start(
         "gateway-epd-combined", gateway_args(model, "epd-combined", encoders=[encoder.address], decodes=[combined.address], extra=observability)

@@ -22,7 +22,7 @@ from typing import Any
 import grpc
 import psutil
 
-from bench.common import RESILIENCE_GATEWAY_IMPL, RESULTS_DIR, progress, summarize, write_result
+from bench.common import RESULTS_DIR, progress, summarize, write_result
 from bench.workload import Sent, closed_loop
 from epd.client import chat_request
 from epd.launcher import ServiceProcess, Stack, gateway_args
@@ -80,7 +80,7 @@ def run(*, quick: bool = False, num_requests: int | None = None, results_dir: pa
             }
             await asyncio.to_thread(stack.wait_ready, list(services.values()), 900)
             args = gateway_args(model, "epd", encoders=[services["encoder"].address], prefills=[services["prefill"].address], decodes=[services["decode"].address])
-            services["gateway"] = stack.start("gateway", [*args, "--metrics-port", "0", "--impl", RESILIENCE_GATEWAY_IMPL])
+            services["gateway"] = stack.start("gateway", [*args, "--metrics-port", "0"])
             await asyncio.to_thread(stack.wait_ready, [services["gateway"]], 300)
             rss: list[dict[str, Any]] = [{"requests": 0, **{name: _tree_rss_mib(s) for name, s in services.items()}}]
             log: list[Sent] = []
@@ -115,7 +115,6 @@ def run(*, quick: bool = False, num_requests: int | None = None, results_dir: pa
     growth = {name: (last[name] - warm[name]) / max(1, last["requests"] - warm["requests"]) for name in services}
     payload = {
         "model": model,
-        "gateway_impl": RESILIENCE_GATEWAY_IMPL,
         "requests": len(log),
         "concurrency": CONCURRENCY,
         "output_tokens": OUTPUT_TOKENS,

@@ -64,7 +64,7 @@ _HELP = {
     "embedding_read_timeout_s": "limit on one encoder's NIXL metadata fetch or READ",
     "advertise_host": "host consumers dial for this encoder's NIXL metadata, written into every embedding location (a name its TLS certificate covers); default: --host",
     "queue_timeout_s": "how long an Encode may wait for arena space or the engine before RESOURCE_EXHAUSTED",
-    "affinity_routing": "send items to encoders by their affinity key (a BLAKE3 content digest) and requests to prefills by prompt prefix (consistent hashing, bounded load); --no-affinity-routing: least in-flight (benchmarks' baseline)",
+    "affinity_routing": "send items to encoders by their affinity key (a BLAKE3 content digest, placed on the ring by a keyed MAC) and requests to prefills by prompt prefix (consistent hashing, bounded load); --no-affinity-routing: least in-flight (benchmarks' baseline)",
     "local_prefill_fallback": "epd mode: while no prefill instance is live, decode instances prefill requests themselves (E+PD) instead of failing them; readiness then needs no prefill",
     "max_prompt_bytes": "refuse chats with more text than this, before tokenizing (0: no limit)",
     "max_attempts": "tries per request, on other instances, when a stage is UNAVAILABLE before the first token",
@@ -164,15 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     gw = sub.add_parser("gateway", help="run the public gateway")
     gw.add_argument(
-        "--impl",
-        choices=["python", "go"],
-        default="python",
-        help="go: the compiled gateway (build/epd-gateway, scripts/build_gateway.sh) for epd and epd-combined; python: every mode, and the HTTP front",
-    )
-    gw.add_argument(
         "--affinity-key-file",
         default="",
-        help="--impl go: the secret that keys its item routing; gateway replicas route an item to the same encoder only when they share it (default: a key of the process's own)",
+        help="the secret that keys routing (where items and prompt prefixes land among instances): gateway replicas route alike only when they share it; "
+        "default: a random key of the process's own",
     )
     _server_flags(gw)
     _engine_flags(gw, model_help="monolithic: the checkpoint directory it serves; epd, epd-combined: only the model's name in the HTTP front (no file is read)")
@@ -208,12 +203,6 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--decodes", type=int, default=1)
     up.add_argument("--shared-cache", action="store_true", help="also run the encoder-output cache's shared tier, and have every encoder use it")
     up.add_argument("--demo", action="store_true", help="send one request with media the model takes, print the stream, then stop")
-    up.add_argument(
-        "--gateway-impl",
-        choices=["python", "go"],
-        default=None,
-        help="epd and epd-combined: the gateway to run (default: go, the compiled one, built by scripts/build_gateway.sh; python with --http-port, as only the Python gateway has the HTTP front)",
-    )
     _flags(up, _gateway_config_class(), ["http_port"])
 
     gen = sub.add_parser("generate", help="stream a reply from a gateway")
@@ -293,12 +282,6 @@ def _run_service(args) -> None:
     from epd.launcher import exit_with_launcher
     from epd.server import configure_logging
 
-    if args.command == "gateway" and args.impl == "go":
-        from gateway import compiled
-
-        compiled.exec_gateway(args)  # the compiled gateway watches the launcher itself
-    if args.command == "gateway" and args.affinity_key_file:
-        raise SystemExit("epd gateway: --affinity-key-file is for --impl go (the Python gateway routes by an unkeyed BLAKE3 digest)")
     configure_logging(args.log_level)
     exit_with_launcher()
     server = _server_config(args)
@@ -338,6 +321,7 @@ def _run_service(args) -> None:
             auth_token_file=args.auth_token_file,
             max_prompt_bytes=args.max_prompt_bytes,
             affinity_routing=args.affinity_routing,
+            affinity_key_file=args.affinity_key_file,
             local_prefill_fallback=args.local_prefill_fallback,
             max_prompt_tokens=args.max_model_len,
             **_values(args, _HTTP_FIELDS),

@@ -264,11 +264,10 @@ def up_cli(args) -> int:
     from epd.checkpoints import ensure_tiny_checkpoint
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    gateway_impl = up_gateway_impl(args)
     model = args.model or str(ensure_tiny_checkpoint(args.family, pathlib.Path("checkpoints")))
     signal.signal(signal.SIGTERM, _interrupt)  # SIGTERM stops the stack as Ctrl-C does
     stack = Stack()
-    print(f"[epd up] model={model} mode={args.mode} gateway={gateway_impl}; logs in {stack.log_dir}", flush=True)
+    print(f"[epd up] model={model} mode={args.mode}; logs in {stack.log_dir}", flush=True)
     http = ["--http-port", str(args.http_port)] if args.http_port >= 0 else []
     try:
         if args.mode == "monolithic":
@@ -282,7 +281,7 @@ def up_cli(args) -> int:
                 encoders=args.encoders,
                 prefills=args.prefills,
                 decodes=args.decodes,
-                gateway_extra=[*http, "--impl", gateway_impl],
+                gateway_extra=http,
                 encoder_extra=shared,
             )
         for service in stack.services:
@@ -299,28 +298,6 @@ def up_cli(args) -> int:
         return 0
     finally:
         stack.stop()
-
-
-def up_gateway_impl(args) -> str:
-    """The gateway ``epd up`` runs: the compiled one (what deploy/ runs; it adds a third of the
-    Python gateway's latency, BENCHMARKS.md) unless the stack needs what only the Python gateway
-    has (the monolithic oracle, the HTTP front). A missing binary is said before any engine starts."""
-    needs_python = None
-    if args.mode == "monolithic":
-        needs_python = "--mode monolithic"
-    elif args.http_port >= 0:
-        needs_python = "--http-port"
-    impl = args.gateway_impl or ("python" if needs_python else "go")
-    if impl == "go":
-        from gateway import compiled
-
-        if needs_python:
-            raise SystemExit(f"epd up: the compiled gateway (--gateway-impl go) does not serve {needs_python}; use --gateway-impl python")
-        if not compiled.BINARY.is_file():
-            raise SystemExit(
-                f"epd up: the compiled gateway {compiled.BINARY} is missing; build it with scripts/build_gateway.sh, or pass --gateway-impl python"
-            )
-    return impl
 
 
 def _interrupt(signum, frame) -> None:

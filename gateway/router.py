@@ -31,7 +31,9 @@ import hashlib
 import itertools
 import logging
 import math
+import pathlib
 import random
+import secrets
 import socket
 from collections import OrderedDict
 from collections.abc import Callable
@@ -65,22 +67,46 @@ _POINTS_PER_INSTANCE = 64  # virtual nodes: keys spread evenly even over two or 
 _HOLDERS_KEPT = 65536  # keys whose last server a pool remembers (a few MB)
 
 
-def _ring_hash(text: str) -> int:
-    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big")
+def read_routing_secret(path: str = "") -> bytes:
+    """The secret that places keys and instances on every ring: the SHA-256 of the file's text
+    (surrounding whitespace ignored), or 32 random bytes of this process's own for ``""``.
+
+    Gateway replicas send an item to the same encoder only when they share it. It is secret so
+    that a client cannot tell where an item will land, and so cannot craft distinct items that
+    pile onto one instance (bounded load limits the damage, the secret removes the aim).
+
+    Raises:
+        ValueError: the file cannot be read or holds only whitespace.
+    """
+    if not path:
+        return secrets.token_bytes(32)
+    try:
+        text = pathlib.Path(path).read_bytes().strip()
+    except OSError as exc:
+        raise ValueError(f"cannot read the affinity key file {path}: {exc.strerror}") from None
+    if not text:
+        raise ValueError(f"the affinity key file {path} is empty")
+    return hashlib.sha256(text).digest()
+
+
+def _ring_hash(text: str, secret: bytes) -> int:
+    """A point on the ring: a keyed BLAKE2b (a MAC) of the text."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8, key=secret).digest(), "big")
 
 
 class HashRing:
     """Where each key lands among a set of instances; instances come and go without moving
-    other instances' keys."""
+    other instances' keys. ``secret`` (:func:`read_routing_secret`) keys every point."""
 
-    def __init__(self, addresses: list[str]) -> None:
-        points = sorted((_ring_hash(f"{address}#{i}"), address) for address in addresses for i in range(_POINTS_PER_INSTANCE))
+    def __init__(self, addresses: list[str], secret: bytes) -> None:
+        self._secret = secret
+        points = sorted((_ring_hash(f"{address}#{i}", secret), address) for address in addresses for i in range(_POINTS_PER_INSTANCE))
         self._hashes = [h for h, _ in points]
         self._owners = [a for _, a in points]
 
     def walk(self, key: str) -> list[str]:
         """Every instance once, in ring order from the key's point."""
-        start = bisect.bisect(self._hashes, _ring_hash(key))
+        start = bisect.bisect(self._hashes, _ring_hash(key, self._secret))
         seen: dict[str, None] = {}
         for index in range(len(self._owners)):
             seen.setdefault(self._owners[(start + index) % len(self._owners)])
@@ -141,9 +167,11 @@ class StagePool:
         credentials: grpc.ChannelCredentials | None = None,
         on_availability_change: Callable[[], None] | None = None,
         affinity: bool = True,
+        routing_secret: bytes | None = None,
         resolve_interval_s: float = 5.0,
     ):
-        """``affinity``: False makes :meth:`pick_for_key` ignore the key (least in-flight)."""
+        """``affinity``: False makes :meth:`pick_for_key` ignore the key (least in-flight);
+        ``routing_secret``: keys the ring (:func:`read_routing_secret`; default: a random one)."""
         if not targets:
             raise ValueError(f"no addresses for the {stage} stage")
         self.stage = stage
@@ -152,6 +180,7 @@ class StagePool:
         self._health_service = health_service
         self._on_availability_change: Callable[[], None] | None = None  # set once the first members are in
         self._affinity = affinity
+        self._routing_secret = routing_secret or read_routing_secret()
         self._resolve_interval_s = resolve_interval_s
         self._static = [t for t in targets if not t.startswith(DNS_PREFIX)]
         self._names = [_dns_target(t) for t in targets if t.startswith(DNS_PREFIX)]
@@ -315,7 +344,7 @@ class StagePool:
                 self._add(address)
         for address in [a for a in self.addresses if a not in wanted]:
             self._retire(address)
-        self._ring = HashRing(self.addresses) if self._affinity and self.addresses else None
+        self._ring = HashRing(self.addresses, self._routing_secret) if self._affinity and self.addresses else None
         if self.available != was_available and self._on_availability_change is not None:
             self._on_availability_change()
 

@@ -16,7 +16,7 @@ from epd.security import BearerTokenInterceptor, channel_credentials, read_token
 from epd.server import GrpcHost, ServerConfig, run_service
 from epd.v1 import decode_pb2, decode_pb2_grpc, encoder_pb2, encoder_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 from gateway.pipeline import DisaggregatedPipeline, Mode, MonolithicPipeline
-from gateway.router import RetryPolicy, StagePool
+from gateway.router import RetryPolicy, StagePool, read_routing_secret
 from gateway.run import wait_for_wind_downs
 from gateway.servicer import GatewayServicer
 from gateway.stages import DecodeClient, EncoderClient, PrefillClient
@@ -33,6 +33,7 @@ class GatewayConfig:
     retry: RetryPolicy = RetryPolicy()
     forward_media: bool = False  # benchmarks' media-forwarding baseline
     affinity_routing: bool = True  # off (benchmarks' baseline): least in-flight for every stage
+    affinity_key_file: str = ""  # the routing secret replicas share (gateway.router.read_routing_secret); empty: a random one
     # E/P/D: with no live prefill instance, decode instances prefill requests themselves (E+PD)
     # rather than failing them; the gateway then stays ready while encoders and decodes are.
     local_prefill_fallback: bool = False
@@ -44,10 +45,11 @@ class GatewayConfig:
     media_fetch_timeout_s: float = 10.0  # for all remote media of one request, redirects included
 
 
-def _disaggregated(config: GatewayConfig, host: GrpcHost, credentials: grpc.ChannelCredentials | None) -> DisaggregatedPipeline:
+def _disaggregated(config: GatewayConfig, host: GrpcHost, credentials: grpc.ChannelCredentials | None, secret: bytes) -> DisaggregatedPipeline:
     """The stage clients, their pools watching every instance's health; the gateway is ready
     while every stage it needs has an instance that can take work (prefill is not needed with
-    the local-prefill fallback). ``credentials``: how to dial the stages (None: plaintext)."""
+    the local-prefill fallback). ``credentials``: how to dial the stages (None: plaintext);
+    ``secret``: keys every pool's ring."""
     pools: list[StagePool] = []
 
     def follow_stages() -> None:
@@ -65,6 +67,7 @@ def _disaggregated(config: GatewayConfig, host: GrpcHost, credentials: grpc.Chan
                 credentials=credentials,
                 on_availability_change=follow_stages,
                 affinity=config.affinity_routing,
+                routing_secret=secret,
             )
         )
         pools[-1].watch_health()
@@ -90,6 +93,10 @@ async def serve(config: GatewayConfig, server: ServerConfig, engine_config: Engi
     """``engine_config`` is used in monolithic mode only."""
     # Read before listening: a missing or empty token file stops the gateway at start.
     token = read_token(config.auth_token_file) if config.auth_token_file else None
+    try:
+        secret = read_routing_secret(config.affinity_key_file)
+    except ValueError as exc:
+        raise SystemExit(f"epd gateway: {exc}") from None
     interceptors = [BearerTokenInterceptor(token)] if token is not None else []
     full_name = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
     host = GrpcHost(server, service_name="gateway", full_service_name=full_name, interceptors=interceptors)
@@ -109,7 +116,7 @@ async def serve(config: GatewayConfig, server: ServerConfig, engine_config: Engi
     def on_ready(engine: Engine | None) -> None:
         if engine is None:
             # Our own certificate doubles as the client certificate stages with mTLS require.
-            servicer.pipeline = _disaggregated(config, host, channel_credentials(server.tls))
+            servicer.pipeline = _disaggregated(config, host, channel_credentials(server.tls), secret)
         else:
             decoder = MediaDecoder.for_model(config.model, config.limits)
             renderer = PromptRenderer(config.model, max_prompt_tokens=config.max_prompt_tokens)

@@ -73,9 +73,7 @@ def _start_family(key: str, log_dir: pathlib.Path, otlp_endpoint: str) -> Family
 # Low enough that a test clip can exceed it cheaply; every decoding service gets the same.
 MAX_VIDEO_FRAMES = 120
 MEDIA_LIMITS = ["--max-video-frames", str(MAX_VIDEO_FRAMES)]
-GO = ["--impl", "go"]  # the compiled gateway (gateway/go)
-# Every disaggregated gateway: the Python one and the compiled one, in E/P/D and E+PD.
-DISAGGREGATED_MODES = ["epd", "epd-combined", "epd-go", "epd-combined-go"]
+DISAGGREGATED_MODES = ["epd", "epd-combined"]
 
 
 def _start_services(family: str, model: str, stack: Stack, otlp_endpoint: str, dtype: list[str]) -> FamilyStack:
@@ -96,14 +94,6 @@ def _start_services(family: str, model: str, stack: Stack, otlp_endpoint: str, d
         ),
         "epd-combined": stack.start(
             "gateway-combined", gateway_args(model, "epd-combined", encoders=[encoder.address], decodes=[decode.address], extra=MEDIA_LIMITS)
-        ),
-        # The compiled gateway, on the same stages: tests that take a mode hold both to one oracle.
-        "epd-go": stack.start(
-            "gateway-epd-go",
-            gateway_args(model, "epd", encoders=[encoder.address], prefills=[prefill.address], decodes=[decode.address], extra=[*GO, *MEDIA_LIMITS, *observability]),
-        ),
-        "epd-combined-go": stack.start(
-            "gateway-combined-go", gateway_args(model, "epd-combined", encoders=[encoder.address], decodes=[decode.address], extra=[*GO, *MEDIA_LIMITS])
         ),
     }
     stack.wait_ready([encoder, prefill, decode, *gateways.values()], timeout=600)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import pathlib
 
 import grpc
 from google.rpc import error_details_pb2
@@ -12,6 +13,7 @@ from epd.domain import MediaFile, MediaInput, Modality
 from epd.server import CLIENT_OPTIONS
 from epd.telemetry import scrape
 from epd.v1 import gateway_pb2_grpc
+from gateway.router import read_routing_secret
 
 # For every prefill, decode and monolithic engine the tests start: 128 Ki tokens of the tiny
 # models' KV, far more than the tests hold at once (16 requests of at most 4096). Zeroing the
@@ -25,6 +27,14 @@ _channels: dict[str, grpc.aio.Channel] = {}
 def image_affinity_key(png: bytes) -> str:
     """The key the gateway routes a PNG image by (its point on the encoders' ring)."""
     return MediaInput(Modality.IMAGE, MediaFile(png, "image/png")).affinity_key
+
+
+def affinity_key_flags(folder: pathlib.Path) -> tuple[list[str], bytes]:
+    """Gateway flags that key its routing with a secret this test knows, and that secret, so
+    the test can tell where each key lands (``HashRing(addresses, secret)``)."""
+    path = folder / "affinity-key"
+    path.write_text("the tests' affinity key\n")
+    return ["--affinity-key-file", str(path)], read_routing_secret(str(path))
 
 
 def gateway_stub(address: str) -> gateway_pb2_grpc.GatewayServiceStub:

@@ -13,9 +13,8 @@ from epd.v1 import common_pb2, gateway_pb2
 from tests.helpers import wait_for_metric
 
 
-@pytest.mark.parametrize("mode", ["epd", "epd-go"])
-async def test_abort_ends_the_stream_and_frees_everything(family_stack, mode):
-    stub = family_stack.gateway_stub(mode)
+async def test_abort_ends_the_stream_and_frees_everything(family_stack):
+    stub = family_stack.gateway_stub("epd")
     request = chat_request([(synthetic_image_png(128, 128, seed=44), "image/png"), "Go on."], max_tokens=2000, min_tokens=2000, request_id="to-abort")
     events = []
     async for response in stub.Generate(request, timeout=120):
@@ -30,17 +29,15 @@ async def test_abort_ends_the_stream_and_frees_everything(family_stack, mode):
     assert await wait_for_metric(family_stack.decode.metrics_port, "epd_requests_in_flight", 0.0) == 0.0
 
 
-@pytest.mark.parametrize("mode", ["epd", "epd-go"])
-async def test_abort_of_unknown_request_is_not_found(family_stack, mode):
+async def test_abort_of_unknown_request_is_not_found(family_stack):
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await family_stack.gateway_stub(mode).Abort(gateway_pb2.AbortRequest(request_id="never-sent"), timeout=10)
+        await family_stack.gateway_stub("epd").Abort(gateway_pb2.AbortRequest(request_id="never-sent"), timeout=10)
     assert info.value.code() == grpc.StatusCode.NOT_FOUND
     assert info.value.details() == "no in-flight request with id 'never-sent'"
 
 
-@pytest.mark.parametrize("mode", ["epd", "epd-go"])
-async def test_a_request_id_already_in_flight_is_refused(family_stack, mode):
-    stub = family_stack.gateway_stub(mode)
+async def test_a_request_id_already_in_flight_is_refused(family_stack):
+    stub = family_stack.gateway_stub("epd")
     request = chat_request([(synthetic_image_png(96, 96, seed=46), "image/png"), "Go on."], max_tokens=2000, min_tokens=2000, request_id="twice")
     first = stub.Generate(request, timeout=120)
     assert (await first.read()).HasField("delta")

@@ -29,7 +29,7 @@ CASES = {
 
 
 @QWEN2_AUDIO
-@pytest.mark.parametrize("mode", ["epd", "epd-combined", "epd-go"])
+@pytest.mark.parametrize("mode", ["epd", "epd-combined"])
 @pytest.mark.parametrize("case", list(CASES))
 async def test_audio_greedy_tokens_match_monolithic(family_stack, family, mode, case):
     await assert_matches_monolithic(family_stack, CASES[case](), mode)

@@ -41,7 +41,7 @@ CASES = {
 
 @pytest.mark.parametrize("family", [OMNI])
 @pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("mode", ["epd", "epd-combined", "epd-go"])
+@pytest.mark.parametrize("mode", ["epd", "epd-combined"])
 async def test_bf16_greedy_tokens_match_monolithic(family_stack, family, case, mode):
     await assert_matches_monolithic(family_stack, CASES[case](), mode, max_tokens=24)
 

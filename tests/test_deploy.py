@@ -103,8 +103,8 @@ def test_the_gateway_finds_each_stage_by_its_service_and_secrets_hold_the_creden
         assert service["selector"] == stages[f"epd-{stage}"]["spec"]["selector"]["matchLabels"]
         assert {"name": f"grpc-{stage}", "port": 50051} in service["ports"]
     assert "--auth-token-file=/etc/epd/token/token" in args
-    # The compiled gateway; its replicas share the key that routes items to encoders.
-    assert "--impl=go" in args and "--affinity-key-file=/etc/epd/affinity/key" in args
+    # The replicas share the key that routes items to encoders.
+    assert "--affinity-key-file=/etc/epd/affinity/key" in args
     secrets = {v["secret"]["secretName"] for spec in [gateway, *(s["spec"]["template"]["spec"] for s in stages.values())] for v in spec["volumes"] if "secret" in v}
     assert secrets == {"epd-tls", "epd-gateway-token", "epd-gateway-affinity-key"}
     for stage in stages.values():

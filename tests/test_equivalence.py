@@ -31,7 +31,7 @@ async def test_greedy_tokens_match_monolithic(family_stack, family, mode, case):
     result = await assert_matches_monolithic(family_stack, CASES[case](), mode, max_tokens=24)
     timings = result.finished.timings
     assert timings.encode.ToNanoseconds() > 0 and timings.decode.ToNanoseconds() > 0
-    assert (timings.prefill.ToNanoseconds() > 0) == (mode in ("epd", "epd-go"))
+    assert (timings.prefill.ToNanoseconds() > 0) == (mode == "epd")
     assert 0 < timings.time_to_first_token.ToNanoseconds() <= timings.total.ToNanoseconds()
 
 
@@ -46,4 +46,4 @@ async def test_eight_concurrent_streams_match_monolithic(family_stack):
     for oracle, result, mode in zip(oracles, results, modes, strict=True):
         assert result.finished is not None
         assert result.token_ids == oracle.token_ids, mode
-        assert (result.finished.timings.prefill.ToNanoseconds() > 0) == (mode in ("epd", "epd-go"))
+        assert (result.finished.timings.prefill.ToNanoseconds() > 0) == (mode == "epd")

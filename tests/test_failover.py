@@ -25,15 +25,13 @@ from epd.testing import synthetic_image_png
 from epd.v1 import decode_pb2, decode_pb2_grpc
 from gateway.router import HashRing
 from tests.conftest import DEFAULT_FAMILY
-from tests.helpers import SMALL_KV_CACHE, encode_then_prefill, gateway_stub, image_affinity_key, prefill_directly, wait_for_metric
+from tests.helpers import SMALL_KV_CACHE, affinity_key_flags, encode_then_prefill, gateway_stub, image_affinity_key, prefill_directly, wait_for_metric
 
 _IMAGES = [synthetic_image_png(96 + 16 * i, 96, seed=500 + i) for i in range(4)]
 _REQUESTS = 24
 _CONCURRENCY = 8
 _KV_LEASE_S = 10  # the prefill's --kv-lease-s default
-# New images sent once a reborn encoder is back: the Python gateway's ring is checked point by
-# point; the compiled gateway's points are secret, so more images make its share all but sure.
-_REBIRTH_IMAGES = {"python": 8, "go": 16}
+_REBIRTH_IMAGES = 8  # new images sent once a reborn encoder is back
 
 
 def _request(index: int, max_tokens: int = 8):
@@ -63,17 +61,15 @@ def _counter(metrics_port: int, name: str) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Spares:
-    impl: str  # of the gateways the tests start: python or go
     encoder: ServiceProcess
     prefill: ServiceProcess
     decode: ServiceProcess
 
 
-@pytest.fixture(scope="module", params=["python", "go"])
-def spares(stacks, request):
+@pytest.fixture(scope="module")
+def spares(stacks):
     """A second encoder, prefill and decode beside the shared stack, for the tests to kill:
-    started together, since engine start-up is most of these tests' time. Once per gateway
-    implementation: the tests kill them."""
+    started together, since engine start-up is most of these tests' time."""
     family = stacks.get(DEFAULT_FAMILY)
     stack, model = family.stack, family.model
     started = {
@@ -83,18 +79,19 @@ def spares(stacks, request):
     }
     try:
         stack.wait_ready(list(started.values()), timeout=600)
-        yield Spares(request.param, **started)
+        yield Spares(**started)
     finally:
         for service in started.values():
             service.stop()
             stack.services.remove(service)
 
 
-async def test_killing_an_encoder_and_a_prefill_under_load_fails_no_request(family_stack, spares):
+async def test_killing_an_encoder_and_a_prefill_under_load_fails_no_request(family_stack, spares, tmp_path):
     oracle = await _oracle(family_stack)
     stack, model = family_stack.stack, family_stack.model
     spare_encoder, spare_prefill = spares.encoder, spares.prefill
     extra = []
+    keyed, secret = affinity_key_flags(tmp_path)
     try:
         both = gateway_args(
             model,
@@ -102,13 +99,13 @@ async def test_killing_an_encoder_and_a_prefill_under_load_fails_no_request(fami
             encoders=[family_stack.encoder.address, spare_encoder.address],
             prefills=[family_stack.prefill.address, spare_prefill.address],
             decodes=[family_stack.decode.address],
-            extra=["--metrics-port", "0", "--impl", spares.impl],
+            extra=["--metrics-port", "0", *keyed],
         )
         # A gateway whose only encoder and prefill are the spares: its readiness must follow them.
         spare_only = gateway_args(
-            model, "epd", encoders=[spare_encoder.address], prefills=[spare_prefill.address], decodes=[family_stack.decode.address], extra=["--impl", spares.impl]
+            model, "epd", encoders=[spare_encoder.address], prefills=[spare_prefill.address], decodes=[family_stack.decode.address]
         )
-        gateway, lonely = stack.start(f"gateway-failover-{spares.impl}", both), stack.start(f"gateway-spare-only-{spares.impl}", spare_only)
+        gateway, lonely = stack.start("gateway-failover", both), stack.start("gateway-spare-only", spare_only)
         extra += [gateway, lonely]
         stack.wait_ready([gateway, lonely], timeout=120)
         stub = gateway_stub(gateway.address)
@@ -162,17 +159,14 @@ async def test_killing_an_encoder_and_a_prefill_under_load_fails_no_request(fami
         # The shared gateway sends the reborn encoder its own share of the items again: each new
         # image goes to the encoder its affinity key points to on the ring (one at a time, so
         # no load bound interferes).
-        images = [synthetic_image_png(80, 96 + 16 * i, seed=600 + i) for i in range(_REBIRTH_IMAGES[spares.impl])]
+        images = [synthetic_image_png(80, 96 + 16 * i, seed=600 + i) for i in range(_REBIRTH_IMAGES)]
         survivor_items = _counter(family_stack.encoder.metrics_port, "epd_encoder_items_total")
         for image in images:
             await generate(stub, chat_request([(image, "image/png"), "What is it?"], max_tokens=2), timeout=120)
         reborn_items = _counter(reborn.metrics_port, "epd_encoder_items_total") - through_lonely
         assert reborn_items + _counter(family_stack.encoder.metrics_port, "epd_encoder_items_total") - survivor_items == len(images)
-        if spares.impl == "python":
-            ring = HashRing([family_stack.encoder.address, reborn.address])
-            assert reborn_items == sum(ring.walk(image_affinity_key(image))[0] == reborn.address for image in images)
-        else:  # its ring keys are secret (a keyed MAC); 2**-15 that one instance gets no image of 16
-            assert 0 < reborn_items < len(images)
+        ring = HashRing([family_stack.encoder.address, reborn.address], secret)
+        assert reborn_items == sum(ring.walk(image_affinity_key(image))[0] == reborn.address for image in images)
     finally:
         for service in extra:
             service.stop()
@@ -186,7 +180,7 @@ async def test_a_decode_killed_mid_stream_ends_its_stream_and_later_requests_are
     gateway = reborn = None
     try:
         args = gateway_args(model, "epd", encoders=[family_stack.encoder.address], prefills=[family_stack.prefill.address], decodes=[doomed.address, family_stack.decode.address])
-        gateway = stack.start(f"gateway-decode-failover-{spares.impl}", [*args, "--metrics-port", "0", "--impl", spares.impl])
+        gateway = stack.start("gateway-decode-failover", [*args, "--metrics-port", "0"])
         stack.wait_ready([gateway], timeout=120)
         stub = gateway_stub(gateway.address)
         # A stream on the doomed decode: the gateway prefers instances whose health it has heard
@@ -278,8 +272,7 @@ class _FailingDecode(decode_pb2_grpc.DecodeServiceServicer):
         await context.abort(grpc.StatusCode.UNAVAILABLE, "decode engine failed")
 
 
-@pytest.mark.parametrize("impl", ["python", "go"])
-async def test_a_decode_failing_before_its_first_token_frees_the_prefills_kv_at_once(family_stack, impl):
+async def test_a_decode_failing_before_its_first_token_frees_the_prefills_kv_at_once(family_stack):
     """The prefill's KV for a request whose decode failed is released at once, through the
     other decode instance, not at the end of its lease (with no retry here, so that no later
     attempt's decode frees it instead); the next request is served exactly."""
@@ -297,8 +290,8 @@ async def test_a_decode_failing_before_its_first_token_frees_the_prefills_kv_at_
     try:
         # The failing decode is listed first: ties rotate from the first address.
         decodes = [failing_address, family_stack.decode.address]
-        args = gateway_args(model, "epd", encoders=[family_stack.encoder.address], prefills=[family_stack.prefill.address], decodes=decodes, extra=["--max-attempts", "1", "--impl", impl])
-        gateway = stack.start(f"gateway-decode-release-{impl}", args)
+        args = gateway_args(model, "epd", encoders=[family_stack.encoder.address], prefills=[family_stack.prefill.address], decodes=decodes, extra=["--max-attempts", "1"])
+        gateway = stack.start("gateway-decode-release", args)
         stack.wait_ready([gateway], timeout=120)
         port = family_stack.prefill.metrics_port
         usage = "vllm:kv_cache_usage_perc"
@@ -322,8 +315,7 @@ async def test_a_decode_failing_before_its_first_token_frees_the_prefills_kv_at_
         await failing.stop(None)
 
 
-@pytest.mark.parametrize("impl", ["python", "go"])
-async def test_with_no_live_prefill_the_fallback_prefills_on_decode(family_stack, impl):
+async def test_with_no_live_prefill_the_fallback_prefills_on_decode(family_stack):
     """--local-prefill-fallback: an E/P/D gateway whose only prefill is gone stays ready and
     serves each request as E+PD on the decode instance, with the monolithic tokens, instead of
     failing it. The first request tries the prefill (its health not yet known), which fails and
@@ -338,9 +330,9 @@ async def test_with_no_live_prefill_the_fallback_prefills_on_decode(family_stack
         encoders=[family_stack.encoder.address],
         prefills=[gone],
         decodes=[family_stack.decode.address],
-        extra=["--local-prefill-fallback", "--metrics-port", "0", "--impl", impl],
+        extra=["--local-prefill-fallback", "--metrics-port", "0"],
     )
-    with family_stack.stack.temporary(f"gateway-local-prefill-{impl}", args) as gateway:
+    with family_stack.stack.temporary("gateway-local-prefill", args) as gateway:
         assert await _wait_readiness(gateway.address, health_pb2.HealthCheckResponse.SERVING) == health_pb2.HealthCheckResponse.SERVING
         for index in range(2):
             result = await generate(gateway_stub(gateway.address), _request(index), timeout=120)

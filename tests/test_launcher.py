@@ -15,12 +15,9 @@ import time
 from collections.abc import Iterator
 
 import psutil
-import pytest
 
-from epd.cli import build_parser
 from epd.client import chat_request, generate
-from epd.launcher import DEMO_MAX_TOKENS, DEMO_PROMPT, demo_media, gateway_args, up_gateway_impl
-from gateway import compiled
+from epd.launcher import DEMO_MAX_TOKENS, DEMO_PROMPT, demo_media, gateway_args
 from tests.conftest import checkpoint
 
 _STARTUP_S = 300
@@ -110,47 +107,28 @@ def test_epd_up_stops_every_process_on_sigterm(tmp_path):
             up.wait()
 
 
-def test_the_compiled_gateway_stops_when_its_launcher_is_killed(tmp_path):
-    """`epd gateway --impl go` replaces the Python process with the compiled gateway (same PID,
-    same process group), which watches its launcher itself: SIGKILL the launcher and it drains
-    and exits. Nothing listens at its stage addresses; it needs none to start."""
+def test_the_gateway_stops_when_its_launcher_is_killed(tmp_path):
+    """A gateway (no engine of its own) watches its launcher too: SIGKILL the launcher and it
+    drains and exits. Nothing listens at its stage addresses; it needs none to start."""
     stage = "127.0.0.1:9"
-    args = gateway_args("m", "epd", encoders=[stage], prefills=[stage], decodes=[stage], extra=["--impl", "go"])
+    args = gateway_args("m", "epd", encoders=[stage], prefills=[stage], decodes=[stage])
     with _killable_launcher(tmp_path, "gateway", args, wait_ready=True) as (launcher, gateway_pid):
-        assert psutil.Process(gateway_pid).exe().endswith("epd-gateway")  # exec'd: the compiled binary
         launcher.kill()
         launcher.wait()
         _assert_groups_end({gateway_pid})
         assert "the launcher (pid" in (tmp_path / "gateway.log").read_text()
 
 
-async def test_the_readme_demo_streams_through_the_compiled_gateway_what_monolithic_vllm_generates(family_stack, tmp_path):
-    """`epd up --demo` (what scripts/demo.sh runs) starts E/P/D behind the compiled gateway by
-    default and streams the demo request; its text and token count are those of the monolithic
+async def test_the_readme_demo_streams_what_monolithic_vllm_generates(family_stack, tmp_path):
+    """`epd up --demo` (what scripts/demo.sh runs) starts E/P/D and streams the demo request; its text and token count are those of the monolithic
     vLLM run of the same request."""
     command = [sys.executable, "-m", "epd.cli", "up", "--model", family_stack.model, "--demo"]
     demo = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=2 * _STARTUP_S)
     assert demo.returncode == 0, demo.stderr[-3000:]
-    assert "mode=epd gateway=go" in demo.stdout
+    assert "mode=epd;" in demo.stdout
     streamed, finish = demo.stdout.split("streamed through ", 1)[1].split(":\n", 1)[1].rsplit("\n[finish=", 1)
     parts = [(data, mimetypes.guess_type(name)[0]) for name, data in demo_media(family_stack.model).items()]
     assert [mime.split("/")[0] for _, mime in parts] == ["image", "video"]  # Qwen2.5-VL: no audio tower
     oracle = await generate(family_stack.gateway_stub("monolithic"), chat_request([*parts, DEMO_PROMPT], max_tokens=DEMO_MAX_TOKENS), timeout=300)
     assert streamed == oracle.text
     assert f"completion_tokens={len(oracle.token_ids)} " in finish
-
-
-def test_epd_up_runs_the_python_gateway_only_for_what_the_compiled_one_lacks(monkeypatch, tmp_path):
-    up = build_parser().parse_args
-    assert up_gateway_impl(up(["up"])) == "go"
-    assert up_gateway_impl(up(["up", "--mode", "epd-combined"])) == "go"
-    assert up_gateway_impl(up(["up", "--gateway-impl", "python"])) == "python"
-    assert up_gateway_impl(up(["up", "--http-port", "0"])) == "python"  # the HTTP front
-    assert up_gateway_impl(up(["up", "--mode", "monolithic"])) == "python"  # the oracle
-    with pytest.raises(SystemExit, match="does not serve --http-port; use --gateway-impl python"):
-        up_gateway_impl(up(["up", "--http-port", "0", "--gateway-impl", "go"]))
-    with pytest.raises(SystemExit, match="does not serve --mode monolithic"):
-        up_gateway_impl(up(["up", "--mode", "monolithic", "--gateway-impl", "go"]))
-    monkeypatch.setattr(compiled, "BINARY", tmp_path / "epd-gateway")
-    with pytest.raises(SystemExit, match="is missing; build it with scripts/build_gateway.sh, or pass --gateway-impl python"):
-        up_gateway_impl(up(["up"]))

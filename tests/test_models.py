@@ -55,7 +55,7 @@ PARAMS = [(family, case) for family, cases in CASES.items() for case in cases]
 
 
 @pytest.mark.parametrize(("family", "case"), PARAMS)
-@pytest.mark.parametrize("mode", ["epd", "epd-combined", "epd-go"])
+@pytest.mark.parametrize("mode", ["epd", "epd-combined"])
 async def test_greedy_tokens_match_monolithic(family_stack, family, case, mode):
     await assert_matches_monolithic(family_stack, CASES[family][case](), mode)
 

@@ -21,7 +21,7 @@ from epd.launcher import Stack, gateway_args
 from epd.telemetry import scrape
 from epd.testing import synthetic_image_png
 from gateway.router import HashRing
-from tests.helpers import SMALL_KV_CACHE, gateway_stub, image_affinity_key
+from tests.helpers import SMALL_KV_CACHE, affinity_key_flags, gateway_stub, image_affinity_key
 from tests.netns import Hosts, can_create_namespaces
 
 _WHY_NOT = can_create_namespaces()
@@ -33,10 +33,10 @@ _LOAD_REQUESTS = 600  # at most, two at a time (a bound: the phases below stop t
 _PHASE_TIMEOUT_S = 90.0
 
 
-def _images_for(addresses: list[str]) -> list[bytes]:
+def _images_for(addresses: list[str], secret: bytes) -> list[bytes]:
     """Images alternating between the encoders their affinity key points to on the ring, so
     each encoder owns some of the load's keys (which ones depends on the addresses)."""
-    ring, owned = HashRing(addresses), {a: [] for a in addresses}
+    ring, owned = HashRing(addresses, secret), {a: [] for a in addresses}
     for seed in range(950, 1150):
         image = synthetic_image_png(96 + 16 * (seed % 4), 96, seed=seed)
         owner = owned[ring.walk(image_affinity_key(image))[0]]
@@ -85,8 +85,9 @@ async def test_epd_across_hosts_streams_the_monolithic_tokens_while_encoders_com
             prefill = start("prefill", ["prefill", "--model", model, "--port", str(port["prefill"]), *SMALL_KV_CACHE])
             decode = start("decode", ["decode", "--model", model, "--mode", "decode", "--port", str(port["decode"]), *SMALL_KV_CACHE])
             encoders = f"dns:///{_ENCODERS}:{port['encoder']}"
-            gateway = start("gateway", gateway_args(model, "epd", encoders=[encoders], prefills=[at["prefill"]], decodes=[at["decode"]]))
-            images = _images_for([at["encoder"], at["encoder2"]])
+            keyed, secret = affinity_key_flags(tmp_path)
+            gateway = start("gateway", gateway_args(model, "epd", encoders=[encoders], prefills=[at["prefill"]], decodes=[at["decode"]], extra=keyed))
+            images = _images_for([at["encoder"], at["encoder2"]], secret)
             monolithic = family_stack.gateway_stub("monolithic")
             oracle = [(await generate(monolithic, _request(images, i), timeout=120)).token_ids for i in range(len(images))]
             stack.wait_ready([encoder, encoder2, prefill, decode, gateway], timeout=600)

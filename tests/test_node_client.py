@@ -26,8 +26,6 @@ from tests.helpers import violations, wait_for_metric
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 MAIN_JS = ROOT / "clients" / "node" / "dist" / "main.js"
 PROMPT = "What is in this picture?"
-# Each client against the Python gateway and the compiled one (what deploy/ and `epd up` run).
-GATEWAYS = ["epd", "epd-go"]
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +53,12 @@ def image(tmp_path) -> tuple[pathlib.Path, bytes]:
     return path, data
 
 
-@pytest.mark.parametrize("gateway", GATEWAYS)
-async def test_node_streams_the_monolithic_tokens(family_stack, gateway, node_client, image):
+async def test_node_streams_the_monolithic_tokens(family_stack, node_client, image):
     path, data = image
     oracle = await generate(
         family_stack.gateway_stub("monolithic"), chat_request([(data, "image/png"), PROMPT], max_tokens=16, min_tokens=16), timeout=180
     )
-    out = run_node(node_client, "generate", family_stack.gateways[gateway].address, "--image", str(path), "--prompt", PROMPT, "--max-tokens", "16", "--min-tokens", "16")
+    out = run_node(node_client, "generate", family_stack.gateways["epd"].address, "--image", str(path), "--prompt", PROMPT, "--max-tokens", "16", "--min-tokens", "16")
     assert len(oracle.token_ids) == 16
     assert out["tokenIds"] == oracle.token_ids
     assert out["text"] == oracle.text
@@ -75,9 +72,8 @@ async def test_node_streams_the_monolithic_tokens(family_stack, gateway, node_cl
     assert finished["usage"]["multimodalTokens"] > 0
 
 
-@pytest.mark.parametrize("gateway", GATEWAYS)
-async def test_node_decodes_bad_request_details(family_stack, gateway, node_client):
-    address = family_stack.gateways[gateway].address
+async def test_node_decodes_bad_request_details(family_stack, node_client):
+    address = family_stack.gateways["epd"].address
     # An undecodable image: refused by the encoder, the field mapped back to the public request.
     out = run_node(node_client, "bad-request", address, expect_rc=0)
     assert out["code"] == "INVALID_ARGUMENT"
@@ -88,14 +84,13 @@ async def test_node_decodes_bad_request_details(family_stack, gateway, node_clie
     assert out["violations"] == [{"field": "sampling.max_tokens", "description": "must be at least 1"}]
     # The Python client reads the same details from the same trailer.
     with pytest.raises(grpc.aio.AioRpcError) as info:
-        await generate(family_stack.gateway_stub(gateway), chat_request([(b"not an image", "image/png"), "Describe this."], max_tokens=0), timeout=60)
+        await generate(family_stack.gateway_stub("epd"), chat_request([(b"not an image", "image/png"), "Describe this."], max_tokens=0), timeout=60)
     assert violations(info.value) == ["sampling.max_tokens"]
 
 
-@pytest.mark.parametrize("gateway", GATEWAYS)
-async def test_node_aborts_an_in_flight_request(family_stack, gateway, node_client, image):
+async def test_node_aborts_an_in_flight_request(family_stack, node_client, image):
     path, _ = image
-    out = run_node(node_client, "abort", family_stack.gateways[gateway].address, "--image", str(path), "--request-id", "node-abort", "--after", "3")
+    out = run_node(node_client, "abort", family_stack.gateways["epd"].address, "--image", str(path), "--request-id", "node-abort", "--after", "3")
     assert out["code"] is None and out["abortCode"] is None
     finished = out["finished"]
     assert finished["finishReason"] == "FINISH_REASON_ABORT"
@@ -107,10 +102,9 @@ async def test_node_aborts_an_in_flight_request(family_stack, gateway, node_clie
     assert await wait_for_metric(family_stack.encoder.metrics_port, "epd_arena_leases", 0.0) == 0.0
 
 
-@pytest.mark.parametrize("gateway", GATEWAYS)
-async def test_node_hits_its_deadline(family_stack, gateway, node_client, image):
+async def test_node_hits_its_deadline(family_stack, node_client, image):
     path, _ = image
-    out = run_node(node_client, "deadline", family_stack.gateways[gateway].address, "--image", str(path), "--deadline-ms", "3000")
+    out = run_node(node_client, "deadline", family_stack.gateways["epd"].address, "--image", str(path), "--deadline-ms", "3000")
     assert out["code"] == "DEADLINE_EXCEEDED"
     assert out["finished"] is None
     assert out["streamedTokens"] < 2000
@@ -119,8 +113,7 @@ async def test_node_hits_its_deadline(family_stack, gateway, node_client, image)
     assert await wait_for_metric(family_stack.decode.metrics_port, "epd_requests_in_flight", 0.0) == 0.0
 
 
-@pytest.mark.parametrize("gateway", GATEWAYS)
-def test_node_lists_services_by_reflection_v1_and_checks_health(family_stack, gateway, node_client):
-    out = run_node(node_client, "services", family_stack.gateways[gateway].address)
+def test_node_lists_services_by_reflection_v1_and_checks_health(family_stack, node_client):
+    out = run_node(node_client, "services", family_stack.gateways["epd"].address)
     assert out["services"] == ["epd.v1.GatewayService", "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection", "grpc.reflection.v1alpha.ServerReflection"]
     assert out["health"] == {"": "SERVING", "epd.v1.GatewayService": "SERVING"}

@@ -38,7 +38,6 @@ async def _reflected_services(channel) -> list[str]:
 async def test_health_reflection_and_metrics(family_stack):
     targets = {name: (getattr(family_stack, name), service) for name, service in SERVICES.items()}
     targets["gateway"] = (family_stack.gateways["epd"], "epd.v1.GatewayService")
-    targets["gateway-go"] = (family_stack.gateways["epd-go"], "epd.v1.GatewayService")
     for name, (process, service) in targets.items():
         async with grpc.aio.insecure_channel(process.address) as channel:
             health = health_pb2_grpc.HealthStub(channel)
@@ -52,14 +51,13 @@ async def test_health_reflection_and_metrics(family_stack):
             assert not [n for n in names if ":" in n.partition("{")[0]]  # label values may hold host:port
 
 
-@pytest.mark.parametrize("mode", ["epd", "epd-go"])
-async def test_the_gateway_counts_its_own_time_outside_the_stages(family_stack, mode):
+async def test_the_gateway_counts_its_own_time_outside_the_stages(family_stack):
     """epd_gateway_own_seconds observes, per request, what the reply's timings give as the total
     (from the call's arrival, parsing included) minus the stage calls."""
-    gateway = family_stack.gateways[mode]
+    gateway = family_stack.gateways["epd"]
     before = scrape(gateway.metrics_port)
     png = synthetic_image_png(120, 80, seed=63)
-    timings = (await generate(family_stack.gateway_stub(mode), chat_request([(png, "image/png"), "Hi"], max_tokens=4), timeout=120)).finished.timings
+    timings = (await generate(family_stack.gateway_stub("epd"), chat_request([(png, "image/png"), "Hi"], max_tokens=4), timeout=120)).finished.timings
     after = scrape(gateway.metrics_port)
     total = timings.total.ToNanoseconds() / 1e9
     own = total - sum(getattr(timings, stage).ToNanoseconds() / 1e9 for stage in ("encode", "prefill", "decode"))
@@ -68,13 +66,12 @@ async def test_the_gateway_counts_its_own_time_outside_the_stages(family_stack, 
     assert after["epd_gateway_own_seconds_sum"] - before.get("epd_gateway_own_seconds_sum", 0.0) == pytest.approx(own, abs=1e-5)
 
 
-@pytest.mark.parametrize("mode", ["epd", "epd-go"])
-async def test_one_trace_spans_every_hop(family_stack, otlp_receiver, mode):
+async def test_one_trace_spans_every_hop(family_stack, otlp_receiver):
     """W3C trace context crosses client -> gateway -> encoder -> prefill -> decode: the caller's
     trace id on every hop, the gateway's Generate span a child of the caller's span."""
     trace_id, caller_span = secrets.token_hex(16), secrets.token_hex(8)
     png = synthetic_image_png(130, 100, seed=61)
-    stream = family_stack.gateway_stub(mode).Generate(
+    stream = family_stack.gateway_stub("epd").Generate(
         chat_request([(png, "image/png"), "Trace me."], max_tokens=4), metadata=(("traceparent", f"00-{trace_id}-{caller_span}-01"),), timeout=120
     )
     assert [response async for response in stream][-1].HasField("finished")
@@ -98,7 +95,7 @@ async def test_streamed_calls_leave_no_trace_context_errors(family_stack):
     """OpenTelemetry once logged "Failed to detach context" on streamed calls, most of all on
     streams a client drops: the server span must be current only inside the handler's steps."""
     png = synthetic_image_png(110, 90, seed=62)
-    for mode in ("epd", "epd-combined", "epd-go", "epd-combined-go"):
+    for mode in ("epd", "epd-combined"):
         await generate(family_stack.gateway_stub(mode), chat_request([(png, "image/png"), "Hi"], max_tokens=4), timeout=120)
         dropped = family_stack.gateway_stub(mode).Generate(chat_request([(png, "image/png"), "Hi"], max_tokens=64, min_tokens=64), timeout=120)
         async for _ in dropped:
@@ -109,18 +106,17 @@ async def test_streamed_calls_leave_no_trace_context_errors(family_stack):
         assert "Failed to detach context" not in service.log_path.read_text(errors="replace"), service.name
 
 
-@pytest.mark.parametrize("impl", ["python", "go"])
-async def test_sigterm_drains_in_flight_streams_and_refuses_new_ones(family_stack, impl):
+async def test_sigterm_drains_in_flight_streams_and_refuses_new_ones(family_stack):
     args = gateway_args(
         family_stack.model,
         "epd-combined",
         encoders=[family_stack.encoder.address],
         decodes=[family_stack.combined.address],
-        extra=["--drain-grace-s", "60", "--impl", impl],
+        extra=["--drain-grace-s", "60"],
     )
     decode_calls = "epd_requests_total{{code={},method=Decode,service=decode}}"
     before = scrape(family_stack.combined.metrics_port)
-    with family_stack.stack.temporary(f"gateway-draining-{impl}", args) as gateway:
+    with family_stack.stack.temporary("gateway-draining", args) as gateway:
         stub = gateway_stub(gateway.address)
         request = chat_request([(synthetic_image_png(120, 120, seed=71), "image/png"), "Drain."], max_tokens=32, min_tokens=32)
         stream = stub.Generate(request, timeout=120)

@@ -17,7 +17,7 @@ from epd.errors import Aborted, Unavailable
 from epd.media import MediaLimits
 from epd.v1 import encoder_pb2_grpc
 from gateway.pipeline import Delta, DisaggregatedPipeline, Mode
-from gateway.router import Health, RetryPolicy, StagePool
+from gateway.router import HashRing, Health, RetryPolicy, StagePool, read_routing_secret
 from gateway.stages import DecodeEnd, DecodeStep, Prefilled, StageFailed
 
 
@@ -149,6 +149,32 @@ async def test_a_joining_instance_takes_the_held_keys_whose_ring_point_it_now_ow
         assert moved == {key for key in _KEYS if pool._ring.walk(key)[0] == "c:3"}
     finally:
         await pool.close()
+
+
+def test_the_routing_secret_decides_where_keys_land(tmp_path):
+    """Replicas that share the key file place every key alike; without it (or with another) the
+    placement is a different one, which a client cannot compute."""
+    addresses = ["a:1", "b:2", "c:3"]
+    keys = [f"item {i}" for i in range(300)]
+    (tmp_path / "one").write_text("shared secret\n")
+    (tmp_path / "same").write_text("  shared secret")
+    (tmp_path / "other").write_text("another secret")
+
+    def owners(secret: bytes) -> list[str]:
+        ring = HashRing(addresses, secret)
+        return [ring.walk(key)[0] for key in keys]
+
+    shared = owners(read_routing_secret(str(tmp_path / "one")))
+    assert shared == owners(read_routing_secret(str(tmp_path / "same")))  # surrounding whitespace ignored
+    assert len(read_routing_secret()) == 32 and read_routing_secret() != read_routing_secret()  # a process's own: random
+    for secret in (read_routing_secret(str(tmp_path / "other")), read_routing_secret()):
+        moved = sum(a != b for a, b in zip(shared, owners(secret), strict=True))
+        assert moved > len(keys) // 3  # about 2/3 of the keys land elsewhere under another secret
+    (tmp_path / "blank").write_text(" \n")
+    with pytest.raises(ValueError, match="is empty"):
+        read_routing_secret(str(tmp_path / "blank"))
+    with pytest.raises(ValueError, match="cannot read the affinity key file"):
+        read_routing_secret(str(tmp_path / "missing"))
 
 
 async def test_without_affinity_keys_are_ignored():

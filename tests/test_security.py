@@ -36,7 +36,7 @@ pytestmark = pytest.mark.usefixtures("family_stack")
 
 TOKEN = "s3cret-token-for-tests"
 SERVING = health_pb2.HealthCheckResponse.SERVING
-GATEWAYS = ["gateway", "gateway-go"]  # the Python gateway and the compiled one
+GATEWAYS = ["gateway"]
 
 
 # --- certificates -------------------------------------------------------------------------
@@ -131,8 +131,7 @@ class SecureStack:
 
 @pytest.fixture(scope="module")
 def secure_stack(tmp_path_factory):
-    """Encoder, combined decode and E+PD gateways (Python and compiled), each requiring mTLS; the
-    gateways a token too."""
+    """Encoder, combined decode and an E+PD gateway, each requiring mTLS; the gateway a token too."""
     folder = tmp_path_factory.mktemp("pki")
     pki = _make_pki(folder)
     model = str(checkpoint("qwen2_5_vl"))
@@ -144,10 +143,7 @@ def secure_stack(tmp_path_factory):
         combined = stack.start("combined", ["decode", "--model", model, "--mode", "combined", *SMALL_KV_CACHE, *tls])
         stack.wait_ready([encoder, combined], timeout=600)
         extra = [*tls, "--auth-token-file", str(pki.token_file)]
-        gateways = {
-            name: stack.start(name, gateway_args(model, "epd-combined", encoders=[encoder.address], decodes=[combined.address], extra=[*extra, "--impl", impl]))
-            for name, impl in (("gateway", "python"), ("gateway-go", "go"))
-        }
+        gateways = {"gateway": stack.start("gateway", gateway_args(model, "epd-combined", encoders=[encoder.address], decodes=[combined.address], extra=extra))}
         stack.wait_ready(list(gateways.values()), timeout=300)
         yield SecureStack(pki, {"encoder": encoder.address, "combined": combined.address, **{name: g.address for name, g in gateways.items()}})
     finally:
@@ -214,6 +210,10 @@ async def test_a_plaintext_client_is_refused_at_connect(secure_stack, name):
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await _health(channel)
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    # Refused, not dead: a dead service answers UNAVAILABLE too, so the same address must serve
+    # a client that speaks mTLS.
+    async with secure_stack.channel(name, client=secure_stack.pki.client) as channel:
+        assert await _health(channel) == SERVING
 
 
 @pytest.mark.parametrize("name", ["encoder", "combined", *GATEWAYS])
@@ -237,6 +237,8 @@ async def test_a_server_from_an_unknown_ca_is_refused(secure_stack):
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await _health(channel)
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+    async with secure_stack.channel("encoder", client=pki.client) as channel:  # alive: trusting its CA works
+        assert await _health(channel) == SERVING
 
 
 @pytest.mark.parametrize(

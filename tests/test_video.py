@@ -36,7 +36,7 @@ CASES = {
 
 
 @VIDEO_FAMILIES
-@pytest.mark.parametrize("mode", ["epd", "epd-combined", "epd-go"])
+@pytest.mark.parametrize("mode", ["epd", "epd-combined"])
 @pytest.mark.parametrize("case", list(CASES))
 async def test_video_greedy_tokens_match_monolithic(family_stack, family, mode, case):
     await assert_matches_monolithic(family_stack, CASES[case](), mode)
