@@ -250,7 +250,7 @@ class Engine:
         try:
             (engine_input,) = await self._llm.renderer.render_cmpl_async([prompt])
         except Exception as exc:  # vLLM's processor raises ValueError, AssertionError, RuntimeError...
-            raise InvalidArgument.for_field(field, f"the model's processor rejected it: {exc}") from exc
+            raise InvalidArgument.for_field(field, f"the model's processor rejected it: {_reason(exc)}") from exc
         placeholders = []
         for modality, ranges in engine_input.get("mm_placeholders", {}).items():
             placeholders += [(r.offset, modality, r.length, r.get_num_embeds()) for r in ranges]
@@ -503,3 +503,12 @@ def _configure_vllm_environment(config: EngineConfig) -> None:
         configure_ucx(config.nixl_side_channel_host)
         os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = config.nixl_side_channel_host
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(config.nixl_side_channel_port or free_port(config.nixl_side_channel_host))
+
+
+def _reason(exc: BaseException) -> str:
+    """The innermost cause's words: vLLM wraps a processor's refusal ("absolute aspect ratio must
+    be smaller than 200") in "Failed to apply <processor> on data=<the whole input> ...", whose
+    own words say nothing a client can act on."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return str(exc) or type(exc).__name__

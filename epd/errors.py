@@ -94,27 +94,64 @@ class ResourceExhausted(EpdError):
         self.retry_after_s = retry_after_s
 
 
-# A Python object's default repr, "<_io.BytesIO object at 0x7f0b189f58f0>": libraries (Pillow
-# among them) put them in exception messages, and the address changes with every call.
-_OBJECT_REPR = re.compile(r"\s*<[\w.]+ object at 0x[0-9a-fA-F]+>")
+# Values libraries print into their messages: object reprs ("<PIL.Image.Image image mode=RGB
+# size=10000x10 at 0x7f...>", "<class 'x.Y'>"), dumps of containers and arrays ("data={'images':
+# [...]}", "array([...])", "tensor([...])"). They can run to megabytes, carry process memory
+# addresses, and mean nothing to a client; each is cut out whole, brackets balanced.
+_DUMP_START = re.compile(r"\s*(?:<[\w.]+ |\{'|\[<|\b(?:array|tensor)\()")
+_OPENERS, _CLOSERS = "<{[(", ">}])"
+# A status travels in HTTP/2 trailers, which peers cap (8 KiB by default in grpc-go and grpcio):
+# bounded texts and a bounded number of field violations keep every status well inside that.
+MESSAGE_BYTES = 400
+DESCRIPTION_BYTES = 200
+MAX_VIOLATIONS = 10
+_CUT = "…"
 
 
-def stable_text(text: str) -> str:
-    """``text`` without object reprs, so a client sees the same words for the same mistake
-    (and can match or cache them) and no process memory addresses leak out."""
-    return _OBJECT_REPR.sub("", text)
+def client_text(text: str, limit_bytes: int = MESSAGE_BYTES) -> str:
+    """``text`` as a client may see it: every dump of a value cut out (a client sees the same
+    words for the same mistake, and nothing of the process), at most ``limit_bytes`` of UTF-8."""
+    kept, at = [], 0
+    while (dump := _DUMP_START.search(text, at)) is not None:
+        kept.append(text[at : dump.start()])
+        at = _past_brackets(text, next(i for i in range(dump.start(), dump.end()) if text[i] in _OPENERS))
+        kept.append(" " + _CUT if text[dump.start()].isspace() else _CUT)
+    kept.append(text[at:])
+    clean = "".join(kept)
+    data = clean.encode()
+    if len(data) <= limit_bytes:
+        return clean
+    return data[: limit_bytes - len(_CUT.encode())].decode(errors="ignore") + _CUT
+
+
+def _past_brackets(text: str, opening: int) -> int:
+    """The index just past the bracket that closes the one at ``opening`` (any kind counts, as
+    reprs nest them freely), or the end of a dump that was itself cut short."""
+    depth = 0
+    for index in range(opening, len(text)):
+        if text[index] in _OPENERS:
+            depth += 1
+        elif text[index] in _CLOSERS:
+            depth -= 1
+            if depth == 0:
+                return index + 1
+    return len(text)
 
 
 def to_rpc_status(error: EpdError) -> status_pb2.Status:
     """Builds the rich status for an error: the code, the message and typed details.
 
-    Texts pass :func:`stable_text`, whichever library worded them."""
-    status = status_pb2.Status(code=error.code.value[0], message=stable_text(error.message))
+    Every text passes :func:`client_text`, whichever library worded it, and at most
+    ``MAX_VIOLATIONS`` fields are detailed (the message names how many there were)."""
+    message = error.message
+    if isinstance(error, InvalidArgument) and len(error.violations) > MAX_VIOLATIONS:
+        message = f"{len(error.violations)} invalid fields, the first {MAX_VIOLATIONS} detailed: {message}"
+    status = status_pb2.Status(code=error.code.value[0], message=client_text(message))
     if isinstance(error, InvalidArgument) and error.violations:
         detail = error_details_pb2.BadRequest(
             field_violations=[
-                error_details_pb2.BadRequest.FieldViolation(field=v.field, description=stable_text(v.description))
-                for v in error.violations
+                error_details_pb2.BadRequest.FieldViolation(field=client_text(v.field, DESCRIPTION_BYTES), description=client_text(v.description, DESCRIPTION_BYTES))
+                for v in error.violations[:MAX_VIOLATIONS]
             ]
         )
         status.details.add().Pack(detail)

@@ -27,6 +27,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from epd import telemetry
+from epd.rpc import add_servicer
 from epd.security import TlsConfig, server_credentials
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,10 @@ class GrpcHost:
         self.port = 0
         self.announce: dict[str, int] = {}  # more ports for the EPD_LISTENING line (the gateway's http_port)
         self._stop = asyncio.Event()
+
+    def add_servicer(self, servicer) -> None:
+        """Serves the host's service with ``servicer`` (:func:`epd.rpc.add_servicer`)."""
+        add_servicer(self.server, self.full_service_name, servicer)
 
     async def start(self) -> None:
         """Listens; liveness SERVING, readiness NOT_SERVING until :meth:`set_ready`."""

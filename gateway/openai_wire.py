@@ -23,7 +23,7 @@ import grpc
 
 from epd import wire
 from epd.domain import ChatMessage, FinishReason, GenerateRequest, MediaFile, MediaInput, Modality, Role, Sampling, TextPart
-from epd.errors import EpdError, FieldViolation, InvalidArgument, ResourceExhausted
+from epd.errors import EpdError, FieldViolation, InvalidArgument, ResourceExhausted, client_text
 from epd.v1 import common_pb2
 from gateway.media_fetch import MediaFetchError
 from gateway.pipeline import Finished, Usage
@@ -341,13 +341,15 @@ def error_json(message: str, error_type: str, *, param: str | None = None, code:
 
 def error_response(error: EpdError) -> tuple[int, dict, dict[str, str]]:
     """HTTP status, OpenAI error body and headers for a domain error. ``param`` is the first
-    violated field; the message lists them all, by their OpenAI names."""
+    violated field; the message lists them all, by their OpenAI names, bounded as a gRPC
+    status is (:func:`epd.errors.client_text`)."""
     status, error_type = _HTTP_STATUS.get(error.code, (500, "server_error"))
     message, param = error.message, None
     if isinstance(error, InvalidArgument) and error.violations:
         fields = [openai_field(v.field) for v in error.violations]
         param = fields[0]
         message = "; ".join(f"{field}: {v.description}" for field, v in zip(fields, error.violations, strict=True))
+    message = client_text(message)
     headers = {"Retry-After": str(max(1, round(error.retry_after_s)))} if isinstance(error, ResourceExhausted) else {}
     return status, error_json(message, error_type, param=param, code=error.code.name.lower()), headers
 

@@ -93,9 +93,6 @@ class RequestClock:
         self.prompt_tokens = 0  # the expanded prompt, once the engine that decodes has it
         self.multimodal_tokens = 0
 
-    def since_start(self) -> float:
-        return time.perf_counter() - self.start
-
     def decoding(self) -> None:
         self._decode_started = time.perf_counter()
 

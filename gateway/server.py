@@ -14,7 +14,7 @@ from epd.media.decode import MediaDecoder
 from epd.prompt import PromptRenderer
 from epd.security import BearerTokenInterceptor, channel_credentials, read_token
 from epd.server import GrpcHost, ServerConfig, run_service
-from epd.v1 import decode_pb2, decode_pb2_grpc, encoder_pb2, encoder_pb2_grpc, gateway_pb2, gateway_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from epd.v1 import decode_pb2, decode_pb2_grpc, encoder_pb2, encoder_pb2_grpc, gateway_pb2, prefill_pb2, prefill_pb2_grpc
 from gateway.pipeline import DisaggregatedPipeline, Mode, MonolithicPipeline
 from gateway.router import RetryPolicy, StagePool, read_routing_secret
 from gateway.run import wait_for_wind_downs
@@ -101,7 +101,7 @@ async def serve(config: GatewayConfig, server: ServerConfig, engine_config: Engi
     full_name = gateway_pb2.DESCRIPTOR.services_by_name["GatewayService"].full_name
     host = GrpcHost(server, service_name="gateway", full_service_name=full_name, interceptors=interceptors)
     servicer = GatewayServicer(pipeline=None)
-    gateway_pb2_grpc.add_GatewayServiceServicer_to_server(servicer, host.server)
+    host.add_servicer(servicer)
     front = None
     if config.http_port >= 0:
         from gateway.openai_front import OpenAIFront  # FastAPI and uvicorn: only when served

@@ -64,14 +64,20 @@ async def wait_for_metric(metrics_port: int, name: str, expected: float, timeout
     return value
 
 
-def violations(error: grpc.aio.AioRpcError) -> list[str]:
-    """The field paths of a status's google.rpc.BadRequest details."""
-    fields = []
-    for detail in rpc_status.from_call(error).details:
+def field_violations(error: grpc.aio.AioRpcError) -> list[error_details_pb2.BadRequest.FieldViolation]:
+    """A status's google.rpc.BadRequest field violations."""
+    found = []
+    status = rpc_status.from_call(error)
+    for detail in status.details if status else []:
         bad_request = error_details_pb2.BadRequest()
         if detail.Unpack(bad_request):
-            fields += [v.field for v in bad_request.field_violations]
-    return fields
+            found += bad_request.field_violations
+    return found
+
+
+def violations(error: grpc.aio.AioRpcError) -> list[str]:
+    """The field paths of a status's google.rpc.BadRequest details."""
+    return [v.field for v in field_violations(error)]
 
 
 async def encode_then_prefill(family_stack, parts: list, mutate=None) -> grpc.aio.AioRpcError | None:

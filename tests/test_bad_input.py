@@ -28,7 +28,7 @@ from epd.v1 import (
     prefill_pb2_grpc,
 )
 from tests.conftest import DISAGGREGATED_MODES
-from tests.helpers import encode_then_prefill, prefill_directly, violations, wait_for_metric
+from tests.helpers import encode_then_prefill, field_violations, prefill_directly, violations, wait_for_metric
 
 PNG = synthetic_image_png(120, 90, seed=5)
 
@@ -43,8 +43,8 @@ def _with_temperature(value: float) -> gateway_pb2.GenerateRequest:
     return request
 
 
-def _frames(fps: float) -> gateway_pb2.GenerateRequest:
-    frames = [multimodal_pb2.Media(data=synthetic_image_png(64, 64, seed=k), mime_type="image/png") for k in range(4)]
+def _frames(fps: float, width: int = 64, height: int = 64) -> gateway_pb2.GenerateRequest:
+    frames = [multimodal_pb2.Media(data=synthetic_image_png(width, height, seed=k), mime_type="image/png") for k in range(4)]
     return chat_request([multimodal_pb2.Video(frames=multimodal_pb2.VideoFrames(frames=frames, fps=fps)), "Hi"], max_tokens=8)
 
 
@@ -70,6 +70,8 @@ BAD_REQUESTS = {
     "aspect_ratio_over_200": (lambda: chat_request(["Look", (synthetic_image_png(10000, 10, seed=1), "image/png")], max_tokens=8), "messages[0].parts[1].image"),
     "more_images_than_the_model_takes": (lambda: chat_request([(synthetic_image_png(32, 32, seed=k), "image/png") for k in range(9)] + ["Hi"], max_tokens=8), "messages"),
     "frames_fps_1e-300": (lambda: _frames(1e-300), "messages[0].parts[0].video.frames.fps"),
+    # Refused by vLLM's processor, whose own message holds a repr of every frame.
+    "video_frames_of_10000x10": (lambda: _frames(2.0, 10000, 10), "messages[0].parts[0].video"),
     "video_sampling_fps_nan": (lambda: _video_sampling_fps(float("nan")), "messages[0].parts[0].video.sampling.fps"),
     "prompt_over_the_context": (lambda: chat_request([OVER_CONTEXT], max_tokens=8), "messages"),
     # Rendered by the engine that prefills, once the image is encoded: its leases are released.
@@ -87,6 +89,35 @@ async def test_bad_request_gets_invalid_argument_with_field(family_stack, mode, 
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value.details()
     assert field in violations(info.value), info.value.details()
     assert field in info.value.details()
+    assert_fit_for_a_client(info.value)
+
+
+def assert_fit_for_a_client(error: grpc.aio.AioRpcError) -> None:
+    """A status message a client can read: bounded, and no Python repr or dump of a value in it
+    or in its field details."""
+    texts = [error.details(), *(v.description for v in field_violations(error))]
+    for text in texts:
+        assert len(text.encode()) < 512, text
+        assert not any(mark in text for mark in ("<", "{'", "array(", "Traceback")), text
+
+
+async def test_a_request_that_does_not_parse_is_internal_with_a_clean_message(family_stack):
+    """gRPC's status-code table: a request that does not parse is INTERNAL. grpcio itself would
+    answer UNKNOWN with a repr of the exception class."""
+    channel = grpc.aio.insecure_channel(family_stack.gateways["epd"].address)
+    try:
+        for method, call in (("Generate", channel.unary_stream), ("Abort", channel.unary_unary)):
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                reply = call(f"/epd.v1.GatewayService/{method}")(b"\xff\xff\xff\xff", timeout=30)
+                if method == "Abort":
+                    await reply
+                else:
+                    async for _ in reply:
+                        pass
+            assert info.value.code() == grpc.StatusCode.INTERNAL
+            assert info.value.details() == f"the request does not parse as epd.v1.{method}Request"
+    finally:
+        await channel.close()
 
 
 async def test_oversized_prompts_are_refused_while_a_concurrent_request_is_served(family_stack):

@@ -15,10 +15,11 @@ import subprocess
 import grpc
 import pytest
 from google.protobuf import descriptor_pb2
+from google.rpc import error_details_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
 from epd.client import chat_request, generate
-from epd.errors import InvalidArgument, stable_text, to_rpc_status
+from epd.errors import DESCRIPTION_BYTES, MAX_VIOLATIONS, MESSAGE_BYTES, FieldViolation, InvalidArgument, client_text, to_rpc_status
 from epd.media import MediaError
 from epd.media.image import decode_image
 from epd.server import GrpcHost, ServerConfig
@@ -137,12 +138,27 @@ def test_undecodable_images_get_one_stable_description():
         decode_image(synthetic_image_png(64, 64, seed=3)[:120], max_pixels=1 << 24)
 
 
-def test_statuses_carry_no_object_reprs():
+def test_statuses_carry_no_reprs_or_dumps_and_are_bounded():
     error = InvalidArgument.for_field("messages[0].parts[0].image.data", "cannot read <_io.BytesIO object at 0x7f0b189f58f0> at all")
     status = to_rpc_status(error)
-    assert status.message == "messages[0].parts[0].image.data: cannot read at all"
+    assert status.message == "messages[0].parts[0].image.data: cannot read … at all"
     assert "0x" not in status.SerializeToString().decode("latin-1")
-    assert stable_text("no repr here: 0x10 is a number") == "no repr here: 0x10 is a number"
+    assert client_text("no repr here: 0x10 is a number, and a <= b") == "no repr here: 0x10 is a number, and a <= b"
+    assert client_text("missing 'authorization: Bearer <token>' metadata") == "missing 'authorization: Bearer <token>' metadata"
+    frames = "[" + ", ".join("<PIL.Image.Image image mode=RGB size=10000x10 at 0x7f3c>" for _ in range(4000)) + "]"
+    vllm = f"Failed to apply Qwen2VLProcessor on data={{'videos': {frames}}} with kwargs={{'fps': array([2.0])}}"
+    assert client_text(vllm) == "Failed to apply Qwen2VLProcessor on data=… with kwargs=…"
+    assert client_text("Unexpected <class 'google.protobuf.message.DecodeError'>: corrupt") == "Unexpected …: corrupt"
+    assert client_text("cut short: {'a': [1, 2") == "cut short: …"
+    # Bounded in bytes, whatever the script, and at most MAX_VIOLATIONS fields detailed.
+    assert len(client_text("é" * 1000).encode()) <= MESSAGE_BYTES
+    many = InvalidArgument("bad", [FieldViolation(f"messages[{i}]", "x" * 1000) for i in range(50)])
+    status = to_rpc_status(many)
+    assert status.message.startswith(f"50 invalid fields, the first {MAX_VIOLATIONS} detailed: ")
+    bad_request = error_details_pb2.BadRequest()
+    assert status.details[0].Unpack(bad_request) and len(bad_request.field_violations) == MAX_VIOLATIONS
+    assert all(len(v.description.encode()) <= DESCRIPTION_BYTES for v in bad_request.field_violations)
+    assert len(status.SerializeToString()) < 4096
 
 
 # --- an aborted stream's usage ------------------------------------------------------------

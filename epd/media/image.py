@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 from typing import TYPE_CHECKING
 
-from epd.errors import stable_text
+from epd.errors import DESCRIPTION_BYTES, client_text
 from epd.media import MediaError
 
 if TYPE_CHECKING:
@@ -33,5 +33,5 @@ def decode_image(data: bytes, *, max_pixels: int, field: str = "image.data") -> 
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
         if isinstance(exc, MediaError):
             raise
-        raise MediaError(field, f"is not a decodable image ({stable_text(str(exc))})") from exc
+        raise MediaError(field, f"is not a decodable image ({client_text(str(exc), DESCRIPTION_BYTES)})") from exc
     return image.convert("RGB")

@@ -43,10 +43,6 @@ class SlotHeader:
     rows: int
     width: int
 
-    @property
-    def payload_bytes(self) -> int:
-        return self.rows * self.width * DTYPES[self.dtype].itemsize
-
     def pack_into(self, buffer: torch.Tensor, offset: int) -> None:
         """Writes the header at ``offset`` of a uint8 tensor."""
         packed = _STRUCT.pack(_MAGIC, _VERSION, int(self.status), _DTYPE_CODES[self.dtype], self.generation, self.rows, self.width)

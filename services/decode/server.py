@@ -7,7 +7,7 @@ import enum
 
 from epd.engine import Engine, EngineConfig, EngineRole
 from epd.server import GrpcHost, ServerConfig, run_service
-from epd.v1 import decode_pb2, decode_pb2_grpc
+from epd.v1 import decode_pb2
 from services.decode.servicer import DecodeServicer
 from services.engine_stage import EngineStage
 
@@ -20,7 +20,7 @@ class DecodeMode(enum.Enum):
 async def serve(mode: DecodeMode, engine_config: EngineConfig, server: ServerConfig, *, allow_inline: bool = False) -> None:
     host = GrpcHost(server, service_name=f"decode-{mode.value}", full_service_name=decode_pb2.DESCRIPTOR.services_by_name["DecodeService"].full_name)
     servicer = DecodeServicer()
-    decode_pb2_grpc.add_DecodeServiceServicer_to_server(servicer, host.server)
+    host.add_servicer(servicer)
     role = EngineRole.DECODE if mode is DecodeMode.DECODE else EngineRole.COMBINED
     engine = Engine(dataclasses.replace(engine_config, role=role))
 

@@ -7,7 +7,7 @@ import logging
 
 from epd.engine import Engine, EngineConfig, EngineRole
 from epd.server import GrpcHost, ServerConfig, run_service
-from epd.v1 import encoder_pb2, encoder_pb2_grpc
+from epd.v1 import encoder_pb2
 from services.encoder.runner import EncoderConfig, EncoderRunner
 from services.encoder.servicer import EncoderServicer
 
@@ -17,7 +17,7 @@ logger = logging.getLogger(__name__)
 async def serve(engine_config: EngineConfig, config: EncoderConfig, server: ServerConfig) -> None:
     host = GrpcHost(server, service_name="encoder", full_service_name=encoder_pb2.DESCRIPTOR.services_by_name["EncoderService"].full_name)
     servicer = EncoderServicer()
-    encoder_pb2_grpc.add_EncoderServiceServicer_to_server(servicer, host.server)
+    host.add_servicer(servicer)
     engine = Engine(dataclasses.replace(engine_config, role=EngineRole.ENCODER))
 
     def on_ready(engine: Engine) -> None:

@@ -6,7 +6,7 @@ import dataclasses
 
 from epd.engine import Engine, EngineConfig, EngineRole
 from epd.server import GrpcHost, ServerConfig, run_service
-from epd.v1 import prefill_pb2, prefill_pb2_grpc
+from epd.v1 import prefill_pb2
 from services.engine_stage import EngineStage
 from services.prefill.servicer import PrefillServicer
 
@@ -14,7 +14,7 @@ from services.prefill.servicer import PrefillServicer
 async def serve(engine_config: EngineConfig, server: ServerConfig, *, allow_inline: bool = False) -> None:
     host = GrpcHost(server, service_name="prefill", full_service_name=prefill_pb2.DESCRIPTOR.services_by_name["PrefillService"].full_name)
     servicer = PrefillServicer()
-    prefill_pb2_grpc.add_PrefillServiceServicer_to_server(servicer, host.server)
+    host.add_servicer(servicer)
     engine = Engine(dataclasses.replace(engine_config, role=EngineRole.PREFILL))
 
     def on_ready(engine: Engine) -> None:
