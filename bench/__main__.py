@@ -69,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
             from bench.gateway_overhead import run as run_gateway_overhead
 
             path = run_gateway_overhead(quick=args.quick, num_requests=args.num_requests, results_dir=args.results_dir, command=command)
+        elif name == "h2_abuse":
+            from bench.h2_abuse import run as run_h2_abuse
+
+            path = run_h2_abuse(quick=args.quick, results_dir=args.results_dir, command=command)
         else:
             from bench.serving import run as run_serving
 

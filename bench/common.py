@@ -18,7 +18,7 @@ RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
 # The experiments, in the order the suite runs them and the report shows them (bench.__main__
 # runs them, bench.report renders them; both import these names from here, never each other).
 SERVING_EXPERIMENTS = ("serving", "serving_video", "serving_audio", "serving_omni")
-EXPERIMENTS = ("handoff", "cold_start", "encoder_throughput", "gateway_overhead", *SERVING_EXPERIMENTS, "encoder_cache", "faults", "soak")
+EXPERIMENTS = ("handoff", "cold_start", "encoder_throughput", "gateway_overhead", "h2_abuse", *SERVING_EXPERIMENTS, "encoder_cache", "faults", "soak")
 SCHEMA_VERSION = 2  # 2: the vLLM encoder and EC connector (handoff, cold_start and serving changed)
 
 

@@ -71,7 +71,7 @@ BAD_REQUESTS = {
     "more_images_than_the_model_takes": (lambda: chat_request([(synthetic_image_png(32, 32, seed=k), "image/png") for k in range(9)] + ["Hi"], max_tokens=8), "messages"),
     "frames_fps_1e-300": (lambda: _frames(1e-300), "messages[0].parts[0].video.frames.fps"),
     # Refused by vLLM's processor, whose own message holds a repr of every frame.
-    "video_frames_of_10000x10": (lambda: _frames(2.0, 10000, 10), "messages[0].parts[0].video"),
+    "video_frames_of_10000x10": (lambda: _frames(2.0, 10000, 10), "messages[0].parts[0].video.frames"),
     "video_sampling_fps_nan": (lambda: _video_sampling_fps(float("nan")), "messages[0].parts[0].video.sampling.fps"),
     "prompt_over_the_context": (lambda: chat_request([OVER_CONTEXT], max_tokens=8), "messages"),
     # Rendered by the engine that prefills, once the image is encoded: its leases are released.
