@@ -386,10 +386,10 @@ def _run_attack(name: str, target: str, gateway_pid: int, request: bytes, second
 def target_gateway(scratch: pathlib.Path):
     """A gateway (its own process, as deployed) in front of compiled stand-in stages; yields
     its address and PID."""
-    from bench.compiled import build_go_stages, start_go, stop
+    from bench.compiled import go_stages, start_go, stop
     from epd.launcher import Stack, gateway_args
 
-    stages, stages_address = start_go(build_go_stages(scratch), "-role", "stages")
+    stages, stages_address = start_go(go_stages(), "-role", "stages")
     stack = Stack(scratch / "logs")
     try:
         gateway = stack.start("gateway-h2-abuse", gateway_args("qwen2_5_vl", "epd", encoders=[stages_address], prefills=[stages_address], decodes=[stages_address]))

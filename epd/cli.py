@@ -45,7 +45,16 @@ _ARENA_FIELDS = (
     "shared_cache_metadata",
 )
 _RECEIVE_FIELDS = ("embedding_buffer_bytes", "embedding_read_timeout_s")
-_SERVER_FIELDS = {"port": "port", "metrics_port": "metrics_port", "otlp_endpoint": "otlp_endpoint", "grace_s": "drain_grace_s"}
+_SERVER_FIELDS = {
+    "port": "port",
+    "metrics_port": "metrics_port",
+    "otlp_endpoint": "otlp_endpoint",
+    "grace_s": "drain_grace_s",
+    "max_concurrent_streams": "max_concurrent_streams",
+}
+# The gateway's public port: clients multiplex little, and a lower bound keeps a rapid-reset
+# flood's backlog small (epd.server.ServerConfig.max_concurrent_streams).
+_GATEWAY_MAX_CONCURRENT_STREAMS = 100
 _HELP = {
     "caches": "vLLM's prefix and multimodal processor caches, and the encoder-output cache (--no-caches for benchmarks)",
     "kv_cache_gib": "CPU only: the KV cache, in GiB (fractions allowed)",
@@ -108,7 +117,7 @@ def _values(args: argparse.Namespace, names: Sequence[str]) -> dict:
     return {name: getattr(args, name) for name in names}
 
 
-def _server_flags(p: argparse.ArgumentParser) -> None:
+def _server_flags(p: argparse.ArgumentParser, *, max_concurrent_streams: int | None = None) -> None:
     from epd.server import ServerConfig
 
     defaults = ServerConfig()
@@ -117,6 +126,12 @@ def _server_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--metrics-port", type=int, default=defaults.metrics_port, help="serve Prometheus /metrics on this port")
     p.add_argument("--otlp-endpoint", default=defaults.otlp_endpoint, help="export traces over OTLP/gRPC to this endpoint")
     p.add_argument("--drain-grace-s", type=float, default=defaults.grace_s, help="on SIGTERM, how long in-flight calls may finish")
+    p.add_argument(
+        "--max-concurrent-streams",
+        type=int,
+        default=max_concurrent_streams or defaults.max_concurrent_streams,
+        help="streams one client connection may hold open at once (HTTP/2 SETTINGS_MAX_CONCURRENT_STREAMS): bounds a rapid-reset flood",
+    )
     p.add_argument("--log-level", default="INFO")
     _tls_flags(p, _SERVER_TLS_FIELDS)
 
@@ -169,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the secret that keys routing (where items and prompt prefixes land among instances): gateway replicas route alike only when they share it; "
         "default: a random key of the process's own",
     )
-    _server_flags(gw)
+    _server_flags(gw, max_concurrent_streams=_GATEWAY_MAX_CONCURRENT_STREAMS)
     _engine_flags(gw, model_help="monolithic: the checkpoint directory it serves; epd, epd-combined: only the model's name in the HTTP front (no file is read)")
     gw.add_argument("--mode", choices=["epd", "epd-combined", "monolithic"], default="epd")
     instances = "host:port of one instance, or dns:///name:port for every address the name resolves to (re-resolved every 5 s and after a failure); repeat for several"

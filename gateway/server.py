@@ -13,7 +13,7 @@ from epd.media import MediaLimits
 from epd.media.decode import MediaDecoder
 from epd.prompt import PromptRenderer
 from epd.security import BearerTokenInterceptor, channel_credentials, read_token
-from epd.server import GrpcHost, ServerConfig, run_service
+from epd.server import GrpcHost, ServerConfig, limit_malloc_arenas, run_service
 from epd.v1 import decode_pb2, decode_pb2_grpc, encoder_pb2, encoder_pb2_grpc, gateway_pb2, prefill_pb2, prefill_pb2_grpc
 from gateway.pipeline import DisaggregatedPipeline, Mode, MonolithicPipeline
 from gateway.router import RetryPolicy, StagePool, read_routing_secret
@@ -91,6 +91,10 @@ def _disaggregated(config: GatewayConfig, host: GrpcHost, credentials: grpc.Chan
 
 async def serve(config: GatewayConfig, server: ServerConfig, engine_config: EngineConfig | None = None) -> None:
     """``engine_config`` is used in monolithic mode only."""
+    if config.mode is not Mode.MONOLITHIC:
+        # Before gRPC starts its threads: floods must not leave the gateway larger. Not where
+        # the gateway holds the oracle's engine, whose torch threads the benchmarks compare.
+        limit_malloc_arenas()
     # Read before listening: a missing or empty token file stops the gateway at start.
     token = read_token(config.auth_token_file) if config.auth_token_file else None
     try:
