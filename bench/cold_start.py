@@ -4,7 +4,7 @@ The encoder service (``epd encoder``) runs vLLM's encoder-only engine (an EC pro
 reads only the safetensors shards that hold the tower and says how many it read on its
 ``EPD_ENCODER_LOAD`` line; a full engine (here ``epd decode --mode combined``, the E+PD consumer)
 must read every shard. Both are started as the services they are, on a "bench" checkpoint built
-by the project (``epd.checkpoints``, ``scale="bench"``): the tiny tower in one shard and a 0.9 GB
+by the project (``devkit.checkpoints``, ``scale="bench"``): the tiny tower in one shard and a 0.9 GB
 language model in 15 more, so the encoder reads 1 of 16 shards, as on real checkpoints (vLLM
 read 2 of Qwen2.5-VL-72B's 96).
 
@@ -107,7 +107,7 @@ def run(
     if checkpoint_root is None and quick:
         private_root = checkpoint_root = pathlib.Path(tempfile.mkdtemp(prefix="epd-bench-cold-start-checkpoint-"))
     try:
-        from epd.checkpoints import ensure_tiny_checkpoint
+        from devkit.checkpoints import ensure_tiny_checkpoint
 
         started = time.perf_counter()
         model_dir = ensure_tiny_checkpoint(family, checkpoint_root or DEFAULT_CHECKPOINT_ROOT, scale=scale)
@@ -249,7 +249,7 @@ def start_service(mode: str, model_dir: pathlib.Path, log_path: pathlib.Path, ti
     ready = threading.Event()
     with open(log_path, "w") as log:
         started = time.perf_counter()
-        process = subprocess.Popen([sys.executable, "-m", "epd.cli", *args], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
+        process = subprocess.Popen([sys.executable, "-m", "cli", *args], cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
 
         def read() -> None:
             assert process.stdout is not None

@@ -2,7 +2,7 @@
 
 Every unique image (448-896 px a side) is asked about twice, by two requests with different
 questions; the repeat comes ``REPEAT_AFTER`` requests later, as the next turn of a chat would.
-The checkpoint is the tiny Qwen2.5-VL at the ``costly_tower`` scale (``epd.checkpoints``): the
+The checkpoint is the tiny Qwen2.5-VL at the ``costly_tower`` scale (``devkit.checkpoints``): the
 tiny language model behind an 8-block, 256-wide vision tower that keeps images at up to 32 x 32
 tokens (896 px a side, as the released Qwen2.5-VL), so one image costs the tower a few hundred
 ms on a 2-core CPU and reuse has something to save. (The tiny checkpoint's tower, 2 blocks of
@@ -58,8 +58,8 @@ import grpc
 
 from bench.common import RESULTS_DIR, progress, summarize, write_result
 from bench.workload import WorkloadSpec, build_requests, run_load, salted
+from cli.launcher import ServiceProcess, Stack, gateway_args, start_monolithic, start_shared_cache
 from epd.client import generate
-from epd.launcher import ServiceProcess, Stack, gateway_args, start_monolithic, start_shared_cache
 from epd.server import CLIENT_OPTIONS
 from epd.telemetry import scrape
 from epd.v1 import gateway_pb2, gateway_pb2_grpc
@@ -176,7 +176,7 @@ def _vision_tower(model: str) -> dict[str, int]:
 
 
 def run(*, quick: bool = False, results_dir: pathlib.Path = RESULTS_DIR, command: str) -> pathlib.Path:
-    from epd.checkpoints import ensure_tiny_checkpoint
+    from devkit.checkpoints import ensure_tiny_checkpoint
 
     scale = QUICK_SCALE if quick else SCALE
     model = str(ensure_tiny_checkpoint(FAMILY, pathlib.Path(__file__).resolve().parents[1] / "checkpoints", scale=scale))

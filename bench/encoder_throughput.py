@@ -50,7 +50,7 @@ _LEASES_DRAIN_S = 10.0
 
 def build_images(count: int, seed: int = SEED) -> list[bytes]:
     """Seeded JPEGs of ``IMAGE_EDGE_PX`` on each side (the serving workload's kind of image)."""
-    from epd.testing import synthetic_image
+    from devkit.media import synthetic_image
 
     rng = random.Random(seed)
 
@@ -86,7 +86,7 @@ def run(
         RuntimeError: the two encoders disagree on an item's embedding shape, a call failed, or
             arena leases were left at the end.
     """
-    from epd.checkpoints import ensure_tiny_checkpoint
+    from devkit.checkpoints import ensure_tiny_checkpoint
 
     repeats = repeats or (QUICK_REPEATS if quick else FULL_REPEATS)
     num_items = num_items or (QUICK_ITEMS if quick else FULL_ITEMS)
@@ -186,7 +186,7 @@ def measure_hf(model_dir: pathlib.Path, images: Sequence[bytes], repeats: int) -
 
 def measure_vllm_service(model_dir: pathlib.Path, images: Sequence[bytes], repeats: int) -> dict[str, Any]:
     """Starts the encoder service (fp32, the defaults) and measures it with :func:`measure_encoder`."""
-    from epd.launcher import Stack
+    from cli.launcher import Stack
 
     stack = Stack()
     progress(f"{NAME}: starting the encoder service (log in {stack.log_dir})")

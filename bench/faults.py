@@ -27,11 +27,11 @@ import grpc
 
 from bench.common import RESULTS_DIR, progress, summarize, write_result
 from bench.workload import Sent, closed_loop
+from cli.launcher import ServiceProcess, Stack, gateway_args
+from devkit.media import synthetic_image_png
 from epd.client import chat_request, generate
-from epd.launcher import ServiceProcess, Stack, gateway_args
 from epd.server import CLIENT_OPTIONS
 from epd.telemetry import scrape
-from epd.testing import synthetic_image_png
 from epd.v1 import gateway_pb2_grpc
 
 NAME = "faults"
@@ -179,7 +179,7 @@ async def _scenario(stack: Stack, services: dict[str, ServiceProcess], stage: st
 
 
 def run(*, quick: bool = False, results_dir: pathlib.Path = RESULTS_DIR, command: str) -> pathlib.Path:
-    from epd.checkpoints import ensure_tiny_checkpoint
+    from devkit.checkpoints import ensure_tiny_checkpoint
 
     model = str(ensure_tiny_checkpoint(FAMILY, pathlib.Path(__file__).resolve().parents[1] / "checkpoints"))
     load_s = QUICK_LOAD_S if quick else LOAD_S

@@ -116,7 +116,7 @@ def _measure(go_stages: pathlib.Path, paths: dict[str, str], decode_address: str
     """Times ``paths`` (GatewayService addresses by name: ``gateway``, ``relay``, ``go_relay``)
     and the floor with the compiled client (``go_stages -role client``), and reads the CPU time
     of the processes in ``pids`` around the timed requests."""
-    from epd.testing import synthetic_image_png
+    from devkit.media import synthetic_image_png
 
     image = scratch / "image.png"
     image.write_bytes(synthetic_image_png(224, 224, seed=1))
@@ -163,7 +163,7 @@ def _measure(go_stages: pathlib.Path, paths: dict[str, str], decode_address: str
 
 
 def run(*, quick: bool = False, num_requests: int | None = None, results_dir: pathlib.Path = RESULTS_DIR, command: str) -> pathlib.Path:
-    from epd.launcher import Stack, gateway_args
+    from cli.launcher import Stack, gateway_args
 
     requests = num_requests or (QUICK_REQUESTS if quick else DEFAULT_REQUESTS)
 

@@ -276,8 +276,8 @@ class _Sampler:
 
 
 def _legit_request() -> bytes:
+    from devkit.media import synthetic_image_png
     from epd.client import chat_request
-    from epd.testing import synthetic_image_png
 
     return chat_request([(synthetic_image_png(96, 96, seed=7), "image/png"), "Describe this."], max_tokens=16).SerializeToString()
 
@@ -387,7 +387,7 @@ def target_gateway(scratch: pathlib.Path):
     """A gateway (its own process, as deployed) in front of compiled stand-in stages; yields
     its address and PID."""
     from bench.compiled import go_stages, start_go, stop
-    from epd.launcher import Stack, gateway_args
+    from cli.launcher import Stack, gateway_args
 
     stages, stages_address = start_go(go_stages(), "-role", "stages")
     stack = Stack(scratch / "logs")

@@ -1,29 +1,29 @@
 """Handoff through the connector, encoder arena to consumer encoder cache, against inline gRPC and
 an in-process copy.
 
-A producer process does what the encoder engine's EC connector does (:mod:`epd.transport.ec_producer`
-and its worker side): it leases arena slots (:class:`~epd.transport.arena.EmbeddingArena` over a
-``/dev/shm`` :class:`~epd.transport.shared_buffer.SharedBuffer` registered with NIXL once), writes
-each item's 64-byte :class:`~epd.transport.slot_header.SlotHeader` and rows, starts the lease's TTL
-and publishes its location (:class:`~epd.transport.nixl.NixlPublisher`); consumers' READ
+A producer process does what the encoder engine's EC connector does (:mod:`epd.transport.connector.ec_producer`
+and its worker side): it leases arena slots (:class:`~epd.transport.memory.arena.EmbeddingArena` over a
+``/dev/shm`` :class:`~epd.transport.memory.shared_buffer.SharedBuffer` registered with NIXL once), writes
+each item's 64-byte :class:`~epd.transport.memory.slot_header.SlotHeader` and rows, starts the lease's TTL
+and publishes its location (:class:`~epd.transport.wire.nixl.NixlPublisher`); consumers' READ
 notifications end the leases. This process is the consumer. Per payload size, each method is
 timed per item, from the consumer's first call until the rows are usable as a tensor:
 
-- ``ec_consumer``: the real consumer path, :class:`~epd.transport.ec_consumer.ConsumerScheduler`
+- ``ec_consumer``: the real consumer path, :class:`~epd.transport.connector.ec_consumer.ConsumerScheduler`
   driven as vLLM's scheduler drives it (``ensure_cache_available`` until the item is here: handle
   parsing, receive-buffer pages, one batched READ per producer through
-  :class:`~epd.transport.nixl.NixlReader`, header check), then ``update_state_after_alloc`` and
+  :class:`~epd.transport.wire.nixl.NixlReader`, header check), then ``update_state_after_alloc`` and
   ``build_installs``, then the view of the shared receive buffer the worker hands vLLM's encoder
   cache (no copy).
-- ``nixl_reader``: :class:`~epd.transport.nixl.NixlReader` alone (submit, poll until done, header
+- ``nixl_reader``: :class:`~epd.transport.wire.nixl.NixlReader` alone (submit, poll until done, header
   check, view): the transport without the scheduler's bookkeeping.
 - ``raw_read``: one NIXL READ of the same bytes through the agent wrapper
-  (:class:`~epd.transport._agent.NixlAgent` ``post_read``, ``state`` until DONE, ``release``),
+  (:class:`~epd.transport.wire.agent.NixlAgent` ``post_read``, ``state`` until DONE, ``release``),
   with the same lease notification: the floor for any NIXL path, so ``ec_consumer - raw_read`` is
   our path's fixed per-fetch cost.
 - ``grpc_inline``: the same rows inline in an ``EncodeResponse`` (``InlineEmbedding`` items) from a
   ``grpc.aio`` server in the producer process, with the project's message limits, then what the
-  consumer does with inline rows (:class:`~epd.transport.inline.InlineReader`: ``bytearray`` of
+  consumer does with inline rows (:class:`~epd.transport.wire.inline.InlineReader`: ``bytearray`` of
   the field, copied into the receive buffer) and the view.
 - ``memcpy``: ``Tensor.copy_`` of the same size within this process, the ceiling for any handoff
   (source and target stay in this core's caches up to a few MiB).
@@ -71,16 +71,16 @@ import torch
 from bench.common import RESULTS_DIR, command_line, plot_lines, progress, summarize, write_result
 from epd.domain import NixlLocation
 from epd.server import CLIENT_OPTIONS, GRPC_OPTIONS, MAX_MESSAGE_BYTES
-from epd.transport._agent import NixlAgent
-from epd.transport.arena import EmbeddingArena, SharedCounters
-from epd.transport.base import Read
-from epd.transport.ec_config import ConnectorConfig
-from epd.transport.ec_consumer import PAGE_BYTES, ConsumerScheduler
-from epd.transport.ec_params import ExpectedItem, expected_to_params
-from epd.transport.location import decode_descriptors
-from epd.transport.nixl import NixlPublisher, NixlReader
-from epd.transport.shared_buffer import SharedBuffer
-from epd.transport.slot_header import HEADER_BYTES, SlotHeader, SlotStatus, slot_bytes
+from epd.transport.connector.ec_config import ConnectorConfig
+from epd.transport.connector.ec_consumer import PAGE_BYTES, ConsumerScheduler
+from epd.transport.connector.ec_params import ExpectedItem, expected_to_params
+from epd.transport.memory.arena import EmbeddingArena, SharedCounters
+from epd.transport.memory.shared_buffer import SharedBuffer
+from epd.transport.memory.slot_header import HEADER_BYTES, SlotHeader, SlotStatus, slot_bytes
+from epd.transport.wire.agent import NixlAgent
+from epd.transport.wire.base import Read
+from epd.transport.wire.location import decode_descriptors
+from epd.transport.wire.nixl import NixlPublisher, NixlReader
 from epd.v1 import encoder_pb2, encoder_pb2_grpc, multimodal_pb2
 
 KIB = 1024

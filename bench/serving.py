@@ -45,7 +45,7 @@ import time
 from bench.common import RESULTS_DIR, command_line, progress, write_result
 from bench.compiled import GoRelay, go_relay
 from bench.workload import STAGES, WorkloadSpec, build_requests, run_load, salted
-from epd.launcher import ServiceProcess, Stack, gateway_args, start_monolithic
+from cli.launcher import ServiceProcess, Stack, gateway_args, start_monolithic
 from epd.telemetry import scrape
 
 ARMS = ("monolithic", "epd-combined", "epd", "epd-forward-media", "epd-go-relay")
@@ -303,7 +303,7 @@ def run(
     ``duration_s`` (if given) sizes the request set to that many seconds of arrivals; ``model``
     replaces the experiment's tiny checkpoint.
     """
-    from epd.checkpoints import ensure_tiny_checkpoint
+    from devkit.checkpoints import ensure_tiny_checkpoint
 
     spec = EXPERIMENTS[experiment]
     family = None if model else spec.family

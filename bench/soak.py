@@ -24,11 +24,11 @@ import psutil
 
 from bench.common import RESULTS_DIR, progress, summarize, write_result
 from bench.workload import Sent, closed_loop
+from cli.launcher import ServiceProcess, Stack, gateway_args
+from devkit.media import synthetic_image_png
 from epd.client import chat_request
-from epd.launcher import ServiceProcess, Stack, gateway_args
 from epd.server import CLIENT_OPTIONS
 from epd.telemetry import scrape
-from epd.testing import synthetic_image_png
 from epd.v1 import gateway_pb2_grpc
 
 NAME = "soak"
@@ -59,7 +59,7 @@ def _end_state(services: dict[str, ServiceProcess]) -> dict[str, float]:
 
 
 def run(*, quick: bool = False, num_requests: int | None = None, results_dir: pathlib.Path = RESULTS_DIR, command: str) -> pathlib.Path:
-    from epd.checkpoints import ensure_tiny_checkpoint
+    from devkit.checkpoints import ensure_tiny_checkpoint
 
     model = str(ensure_tiny_checkpoint(FAMILY, pathlib.Path(__file__).resolve().parents[1] / "checkpoints"))
     total = num_requests or (QUICK_REQUESTS if quick else REQUESTS)

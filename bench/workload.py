@@ -51,7 +51,7 @@ _QUESTIONS = {"image": "what do these pictures have in common?", "video": "what 
 
 
 def _item(spec: WorkloadSpec, rng: random.Random, seed: int) -> tuple[bytes, str]:
-    from epd.testing import sine_samples, synthetic_image, synthetic_video, wav_int16
+    from devkit.media import sine_samples, synthetic_image, synthetic_video, wav_int16
 
     def edge(bounds: tuple[int, int]) -> int:
         return 28 * rng.randint(bounds[0] // 28, bounds[1] // 28)

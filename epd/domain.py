@@ -183,17 +183,17 @@ class NixlLocation:
     """Where a producer's NIXL agent holds one published item, for a one-sided READ.
 
     Consumers READ only if ``tag`` verifies under the key the encoder at ``encoder_address``
-    hands out over gRPC (:mod:`epd.transport.nixl`), so no field can be altered on the way.
+    hands out over gRPC (:mod:`epd.transport.wire.nixl`), so no field can be altered on the way.
     """
 
     agent_name: str
     encoder_address: str  # host:port of the EncoderService that gives out the agent's metadata
-    descriptors: bytes  # the item's memory, in epd.transport.nixl's versioned format
+    descriptors: bytes  # the item's memory, in epd.transport.wire.nixl's versioned format
     nbytes: int  # the slot header plus the rows
     lease_id: str  # 128 random bits in hex; the consumer's READ notification carries it back
     slot_generation: int  # what the region's header must read after the READ (one fill of it)
     expires_at_unix_ms: int  # after this the producer may reuse the memory
-    tag: bytes  # HMAC of the fields above but encoder_address (epd.transport.nixl.location_tag)
+    tag: bytes  # HMAC of the fields above but encoder_address (epd.transport.wire.nixl.location_tag)
 
 
 @dataclass(frozen=True)
@@ -310,3 +310,20 @@ class GenerateRequest:
         return tuple(
             ChatMessage(m.role, tuple(ItemMarker(p.modality) if isinstance(p, MediaInput) else p for p in m.parts)) for m in self.messages
         )
+
+
+@dataclass(frozen=True)
+class PublishedItem:
+    """One item as the encoder's vLLM engine published it: its output's shape, what vLLM laid it
+    out with, and where consumers read it."""
+
+    modality: str
+    rows: int
+    width: int
+    dtype: str
+    placeholder_length: int
+    placeholder_token_id: int
+    fields: dict[str, EngineField]
+    layout_needs_media: bool  # the model declares no metadata-only layout for the modality
+    location: EmbeddingLocation | None  # None when publishing failed
+    error: str = ""

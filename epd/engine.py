@@ -33,6 +33,7 @@ from epd.domain import FinishReason, KvHandoff, Modality, Sampling
 from epd.errors import InvalidArgument, Unavailable
 from epd.ports import free_port
 from epd.security import TlsConfig
+from epd.transport import EC_CONNECTOR_MODULE, KV_CONNECTOR_MODULE
 
 logger = logging.getLogger(__name__)
 
@@ -153,14 +154,14 @@ class Engine:
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from epd.transport.kv_connector import DESK_KEY
+        from epd.transport import DESK_KEY
 
         config = self.config
         kwargs: dict[str, Any] = {}
         if config.role.kv_role is not None:
             kwargs["kv_transfer_config"] = {
                 "kv_connector": "NixlConnector",
-                "kv_connector_module_path": "epd.transport.kv_connector",  # vLLM's connector, its NIXL thread sleeping when idle
+                "kv_connector_module_path": KV_CONNECTOR_MODULE,  # vLLM's connector, its NIXL thread sleeping when idle
                 "kv_role": config.role.kv_role,
                 "kv_buffer_device": "cpu",
                 "kv_connector_extra_config": {
@@ -227,9 +228,7 @@ class Engine:
         Available once the engine has started."""
         if self.config.role.ec_role is None:
             return {}
-        from epd.transport.arena import ARENA_COUNTERS, SharedCounters
-        from epd.transport.ec_consumer import RECEIVE_COUNTERS
-        from epd.transport.shared_buffer import SharedBuffer
+        from epd.transport import ARENA_COUNTERS, RECEIVE_COUNTERS, SharedBuffer, SharedCounters
 
         producer = self.config.role is EngineRole.ENCODER
         buffer = SharedBuffer.attach(f"{self.engine_id}-{'arena' if producer else 'receive'}")
@@ -346,9 +345,9 @@ class Engine:
 
     @functools.cached_property
     def desk(self):
-        """The engine core's desk (:mod:`epd.transport.connector_desk`): the encoder-output
+        """The engine core's desk (:mod:`epd.transport.desk`): the encoder-output
         cache's leases, and why requests failed."""
-        from epd.transport.connector_desk import ConnectorDeskClient
+        from epd.transport import ConnectorDeskClient
 
         return ConnectorDeskClient(self.desk_name)
 
@@ -393,7 +392,7 @@ class Engine:
         return self.config.encoder_cache_bytes if self.config.caches else 0
 
     def _ec_transfer_config(self) -> dict[str, Any]:
-        from epd.transport.ec_config import ConnectorConfig
+        from epd.transport import ConnectorConfig
 
         config = self.config
         connector = ConnectorConfig(
@@ -413,7 +412,7 @@ class Engine:
         )
         return {
             "ec_connector": "EpdECConnector",
-            "ec_connector_module_path": "epd.transport.ec_connector",
+            "ec_connector_module_path": EC_CONNECTOR_MODULE,
             "ec_role": config.role.ec_role,
             "ec_buffer_device": "cpu",
             "engine_id": self.engine_id,
@@ -497,7 +496,7 @@ def _configure_vllm_environment(config: EngineConfig) -> None:
         # image sizes, and its tower's latency was not measured without the cache, so it keeps it.
         os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "0")
     if config.role.kv_role is not None:
-        from epd.transport._agent import configure_ucx
+        from epd.transport import configure_ucx
 
         # vLLM's KV agent starts UCX before any EPD agent would: fence it to the service's host.
         configure_ucx(config.nixl_side_channel_host)

@@ -19,9 +19,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
-from epd.domain import EngineField, GridThw, ItemMetadata, Modality
+from epd.domain import EngineField, GridThw, ItemMetadata, Modality, PublishedItem
 from epd.errors import FieldViolation, InvalidArgument
-from epd.transport.ec_params import PublishedItem
 
 _SCALAR_INT = ("int64", ())
 

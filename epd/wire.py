@@ -35,7 +35,7 @@ from epd.domain import (
     VideoSampling,
 )
 from epd.errors import FieldViolation, InvalidArgument
-from epd.transport.location import location_problems
+from epd.transport import location_problems
 from epd.v1 import (
     common_pb2,
     decode_pb2,

@@ -48,7 +48,7 @@ from gateway.pipeline import Delta, Event, Finished
 from gateway.run import PipelineRun, RunCancelled
 
 if TYPE_CHECKING:
-    from gateway.server import GatewayConfig
+    from gateway.config import GatewayConfig
 
 logger = logging.getLogger(__name__)
 

@@ -9,40 +9,17 @@ import dataclasses
 import grpc
 
 from epd.engine import Engine, EngineConfig, EngineRole
-from epd.media import MediaLimits
 from epd.media.decode import MediaDecoder
 from epd.prompt import PromptRenderer
 from epd.security import BearerTokenInterceptor, channel_credentials, read_token
 from epd.server import GrpcHost, ServerConfig, limit_malloc_arenas, run_service
 from epd.v1 import decode_pb2, decode_pb2_grpc, encoder_pb2, encoder_pb2_grpc, gateway_pb2, prefill_pb2, prefill_pb2_grpc
+from gateway.config import GatewayConfig
 from gateway.pipeline import DisaggregatedPipeline, Mode, MonolithicPipeline
-from gateway.router import RetryPolicy, StagePool, read_routing_secret
+from gateway.router import StagePool, read_routing_secret
 from gateway.run import wait_for_wind_downs
 from gateway.servicer import GatewayServicer
 from gateway.stages import DecodeClient, EncoderClient, PrefillClient
-
-
-@dataclasses.dataclass(frozen=True)
-class GatewayConfig:
-    model: str  # monolithic: the checkpoint it serves; otherwise the model's name in the HTTP front (no files are read)
-    mode: Mode
-    encoders: tuple[str, ...] = ()
-    prefills: tuple[str, ...] = ()
-    decodes: tuple[str, ...] = ()
-    limits: MediaLimits = MediaLimits()
-    retry: RetryPolicy = RetryPolicy()
-    forward_media: bool = False  # benchmarks' media-forwarding baseline
-    affinity_routing: bool = True  # off (benchmarks' baseline): least in-flight for every stage
-    affinity_key_file: str = ""  # the routing secret replicas share (gateway.router.read_routing_secret); empty: a random one
-    # E/P/D: with no live prefill instance, decode instances prefill requests themselves (E+PD)
-    # rather than failing them; the gateway then stays ready while encoders and decodes are.
-    local_prefill_fallback: bool = False
-    auth_token_file: str = ""  # clients must send this file's token; empty: no token required
-    max_prompt_bytes: int = 1024 * 1024  # text of one chat, checked before tokenizing
-    max_prompt_tokens: int = 0  # the model's context (the CLI passes --max-model-len): monolithic refuses longer prompts; the HTTP front's default max_tokens
-    http_port: int = -1  # the OpenAI-compatible HTTP front (gateway/openai_front.py) on --host; -1: off, 0: a free port
-    allowed_media_domains: tuple[str, ...] = ()  # hosts the HTTP front fetches media URLs from; empty: URLs refused
-    media_fetch_timeout_s: float = 10.0  # for all remote media of one request, redirects included
 
 
 def _disaggregated(config: GatewayConfig, host: GrpcHost, credentials: grpc.ChannelCredentials | None, secret: bytes) -> DisaggregatedPipeline:

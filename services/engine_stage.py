@@ -35,7 +35,7 @@ from epd.errors import Aborted, FailedPrecondition, FieldViolation, InvalidArgum
 from epd.media import MediaLimits
 from epd.mm_items import batch_fields, vllm_fields
 from epd.prompt import PromptRenderer
-from epd.transport.ec_params import ExpectedItem, expected_to_params
+from epd.transport import ExpectedItem, expected_to_params
 
 # A decode engine keeps a prefill's KV lease alive with heartbeats, the first one an engine step
 # plus up to one heartbeat interval (a sixth of the lease) after it takes the request, and later

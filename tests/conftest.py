@@ -16,8 +16,8 @@ import sys
 
 import pytest
 
-from epd.checkpoints import ensure_tiny_checkpoint
-from epd.launcher import ServiceProcess, Stack, gateway_args
+from cli.launcher import ServiceProcess, Stack, gateway_args
+from devkit.checkpoints import ensure_tiny_checkpoint
 from epd.v1 import gateway_pb2_grpc
 from tests.helpers import SMALL_KV_CACHE, close_channels, gateway_stub
 from tests.otlp import OtlpReceiver

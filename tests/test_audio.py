@@ -6,8 +6,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from devkit.media import noise_flac, noise_samples, pcm_bytes, sine_wav, synthetic_image_png, wav_int16
 from epd.client import chat_request, generate
-from epd.testing import noise_flac, noise_samples, pcm_bytes, sine_wav, synthetic_image_png, wav_int16
 from epd.v1 import multimodal_pb2
 from tests.helpers import MIN_TOKENS, assert_matches_monolithic, violations, wait_for_metric
 

@@ -10,11 +10,11 @@ import uuid
 import grpc
 import pytest
 
+from devkit.media import synthetic_image_png, synthetic_video
 from epd import wire
 from epd.client import chat_request, generate
 from epd.domain import ChatMessage, ItemMarker, MediaFile, Modality, Role, TextPart, content_hash
 from epd.engine import Engine, EngineConfig, EngineRole
-from epd.testing import synthetic_image_png, synthetic_video
 from epd.v1 import (
     common_pb2,
     decode_pb2,

@@ -15,7 +15,7 @@ from bench.compiled import go_relay
 from bench.report import write_report
 from bench.serving import ARMS, EXPERIMENTS, LOADS, ServingConfig, build_payload, counters, end_state, measure, peak_rss_mib
 from bench.workload import STAGES, WorkloadSpec, build_requests
-from epd.launcher import gateway_args
+from cli.launcher import gateway_args
 from tests.conftest import BF16, stack_key
 
 SUMMARY_KEYS = {

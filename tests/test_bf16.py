@@ -16,14 +16,14 @@ import grpc
 import pytest
 import torch
 
+from devkit.media import sine_wav, synthetic_image_png, synthetic_video
 from epd import wire
 from epd.client import chat_request
 from epd.domain import NixlLocation
-from epd.testing import sine_wav, synthetic_image_png, synthetic_video
-from epd.transport.arena import SharedCounters
-from epd.transport.nixl import NixlReader, Read
-from epd.transport.shared_buffer import SharedBuffer
-from epd.transport.slot_header import HEADER_BYTES
+from epd.transport.memory.arena import SharedCounters
+from epd.transport.memory.shared_buffer import SharedBuffer
+from epd.transport.memory.slot_header import HEADER_BYTES
+from epd.transport.wire.nixl import NixlReader, Read
 from epd.v1 import encoder_pb2, encoder_pb2_grpc
 from tests.conftest import BF16, stack_key
 from tests.helpers import assert_matches_monolithic

@@ -1,4 +1,4 @@
-"""Tests of the tiny random-weight checkpoints (epd.checkpoints).
+"""Tests of the tiny random-weight checkpoints (devkit.checkpoints).
 
 They check that builds are byte-for-byte reproducible, that the tower (vision, or audio plus
 projector) has shards of its own, and that transformers and vLLM both load the result and
@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from epd.checkpoints import (
+from devkit.checkpoints import (
     ALL_FAMILIES,
     AUDIO_FAMILIES,
     FAMILIES,
@@ -33,7 +33,7 @@ from epd.checkpoints import (
     build_tiny_checkpoint,
     ensure_tiny_checkpoint,
 )
-from epd.testing import noise_samples, sine_samples
+from devkit.media import noise_samples, sine_samples
 
 NEW_TOKENS = 16
 IMAGE_SIZE = (200, 150)  # (width, height): a few dozen placeholder tokens
@@ -117,7 +117,7 @@ def test_build_is_byte_identical_across_processes(tmp_path: pathlib.Path) -> Non
     # depends on process state (hash seeds, thread scheduling in the BPE trainer).
     build_tiny_checkpoint("qwen2_5_vl", tmp_path / "a", seed=3)
     subprocess.run(
-        [sys.executable, "-m", "epd.checkpoints", "--family", "qwen2_5_vl", "--out", str(tmp_path / "b"), "--seed", "3"],
+        [sys.executable, "-m", "devkit.checkpoints", "--family", "qwen2_5_vl", "--out", str(tmp_path / "b"), "--seed", "3"],
         check=True,
         capture_output=True,
     )
@@ -805,7 +805,7 @@ if __name__ == "__main__":
 
 
 def test_cli_offers_every_family_the_builder_knows():
-    from epd.checkpoints import ALL_FAMILIES
-    from epd.cli import TINY_FAMILIES
+    from cli.commands import TINY_FAMILIES
+    from devkit.checkpoints import ALL_FAMILIES
 
     assert TINY_FAMILIES == ALL_FAMILIES

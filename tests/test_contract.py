@@ -18,12 +18,12 @@ from google.protobuf import descriptor_pb2
 from google.rpc import error_details_pb2
 from grpc_reflection.v1alpha import reflection_pb2
 
+from devkit.media import synthetic_image_png
 from epd.client import chat_request, generate
 from epd.errors import DESCRIPTION_BYTES, MAX_VIOLATIONS, MESSAGE_BYTES, FieldViolation, InvalidArgument, client_text, to_rpc_status
 from epd.media import MediaError
 from epd.media.image import decode_image
 from epd.server import GrpcHost, ServerConfig
-from epd.testing import synthetic_image_png
 from epd.v1 import common_pb2, gateway_pb2  # noqa: F401 - registers epd/v1/gateway.proto for reflection
 from tests.helpers import wait_for_metric
 

@@ -9,10 +9,10 @@ from typing import NamedTuple
 import grpc
 import pytest
 
+from cli.launcher import ServiceProcess, gateway_args
+from devkit.media import synthetic_image_png
 from epd.client import chat_request, generate
-from epd.launcher import ServiceProcess, gateway_args
 from epd.telemetry import scrape
-from epd.testing import synthetic_image_png
 from epd.v1 import decode_pb2, prefill_pb2
 from tests.conftest import DEFAULT_FAMILY, checkpoint
 from tests.helpers import gateway_stub

@@ -140,7 +140,7 @@ def test_the_gpu_overlay_gives_every_stage_pod_a_gpu_and_bf16():
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_every_container_runs_a_command_epd_accepts(overlay):
-    from epd.cli import build_parser
+    from cli.commands import build_parser
 
     parser, docs = build_parser(), _render(overlay)
     pods = [w["spec"]["template"]["spec"] for w in [*_of_kind(docs, "StatefulSet").values(), *_of_kind(docs, "Deployment").values()]]

@@ -15,7 +15,7 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from epd.testing import synthetic_image_png, synthetic_video
+from devkit.media import synthetic_image_png, synthetic_video
 from epd.v1 import encoder_pb2, encoder_pb2_grpc, multimodal_pb2
 from tests.helpers import violations, wait_for_metric
 

@@ -17,9 +17,9 @@ import time
 import pytest
 import torch
 
+from devkit.media import synthetic_image_png
 from epd.client import chat_request, generate
 from epd.telemetry import scrape
-from epd.testing import synthetic_image_png
 from tests.conftest import BF16, DEFAULT_FAMILY, stack_key
 from tests.helpers import gateway_stub, wait_for_metric
 
@@ -104,7 +104,7 @@ async def test_an_item_whose_encoder_died_is_served_from_the_shared_tier_without
     that ran the tower for an item is killed; the next request for that item goes to the other
     encoder, which reads the output from the tier instead of encoding it, and the tokens stay
     those of monolithic vLLM."""
-    from epd.launcher import gateway_args, shared_cache_flags
+    from cli.launcher import gateway_args, shared_cache_flags
 
     s = family_stack
     first, follow_up = _request(7303, "What is this?"), _request(7303, "And its colours?")
@@ -198,7 +198,7 @@ def test_a_stalled_shared_tier_pins_bounded_bytes_and_slow_lookups_make_it_skipp
     or gone, the waiting bytes stay under their bound and the rest are not shared (unpinned at
     once), so the arena never fills with pins. Once puts go through, every pin ends. A lookup
     slower than the limit is answered, and the next one skips the tier instead of waiting."""
-    from epd.launcher import Stack, shared_cache_flags
+    from cli.launcher import Stack, shared_cache_flags
 
     stack = Stack(tmp_path)
     try:

@@ -6,9 +6,9 @@ import asyncio
 
 import pytest
 
-from epd.checkpoints import FAMILIES
+from devkit.checkpoints import FAMILIES
+from devkit.media import synthetic_image_png
 from epd.client import chat_request, generate
-from epd.testing import synthetic_image_png
 from tests.conftest import DISAGGREGATED_MODES
 from tests.helpers import MIN_TOKENS, assert_matches_monolithic
 

@@ -18,10 +18,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from cli.launcher import ServiceProcess, gateway_args
+from devkit.media import synthetic_image_png
 from epd.client import chat_request, generate
-from epd.launcher import ServiceProcess, gateway_args
 from epd.telemetry import scrape
-from epd.testing import synthetic_image_png
 from epd.v1 import decode_pb2, decode_pb2_grpc
 from gateway.router import HashRing
 from tests.conftest import DEFAULT_FAMILY

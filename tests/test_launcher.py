@@ -16,8 +16,8 @@ from collections.abc import Iterator
 
 import psutil
 
+from cli.launcher import DEMO_MAX_TOKENS, DEMO_PROMPT, demo_media, gateway_args
 from epd.client import chat_request, generate
-from epd.launcher import DEMO_MAX_TOKENS, DEMO_PROMPT, demo_media, gateway_args
 from tests.conftest import checkpoint
 
 _STARTUP_S = 300
@@ -60,7 +60,7 @@ def _killable_launcher(tmp_path: pathlib.Path, name: str, args: list[str], *, wa
     SIGKILL; yields it and the service's PID (its own process group)."""
     script = (
         "import time\n"
-        "from epd.launcher import Stack\n"
+        "from cli.launcher import Stack\n"
         f"service = Stack({str(tmp_path)!r}).start({name!r}, {args!r})\n"
         + ("service.wait_ready(60)\n" if wait_ready else "")
         + "print(service.process.pid, flush=True)\n"
@@ -91,7 +91,7 @@ def test_epd_up_stops_every_process_on_sigterm(tmp_path):
     """SIGTERM while the stack is still coming up (the moment ``epd up`` used to leave vLLM
     engine processes behind): every service group ends, and ``epd up`` exits."""
     model = checkpoint("qwen2_5_vl")
-    up = subprocess.Popen([sys.executable, "-m", "epd.cli", "up", "--model", str(model), "--mode", "epd-combined"], cwd=tmp_path, stdout=subprocess.DEVNULL)
+    up = subprocess.Popen([sys.executable, "-m", "cli", "up", "--model", str(model), "--mode", "epd-combined"], cwd=tmp_path, stdout=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + _STARTUP_S
         while not any(child.children() for child in psutil.Process(up.pid).children()):
@@ -122,7 +122,7 @@ def test_the_gateway_stops_when_its_launcher_is_killed(tmp_path):
 async def test_the_readme_demo_streams_what_monolithic_vllm_generates(family_stack, tmp_path):
     """`epd up --demo` (what scripts/demo.sh runs) starts E/P/D and streams the demo request; its text and token count are those of the monolithic
     vLLM run of the same request."""
-    command = [sys.executable, "-m", "epd.cli", "up", "--model", family_stack.model, "--demo"]
+    command = [sys.executable, "-m", "cli", "up", "--model", family_stack.model, "--demo"]
     demo = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=2 * _STARTUP_S)
     assert demo.returncode == 0, demo.stderr[-3000:]
     assert "mode=epd;" in demo.stdout

@@ -6,11 +6,21 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from devkit.media import (
+    noise_flac,
+    noise_samples,
+    pcm_bytes,
+    sine_samples,
+    sine_wav,
+    soundfile_bytes,
+    synthetic_image_png,
+    synthetic_video,
+    wav_int16,
+)
 from epd.domain import MediaFile, MediaInput, Modality
 from epd.media import MediaLimits
 from epd.media.audio import decode_audio_file, decode_pcm
 from epd.media.decode import MediaDecoder
-from epd.testing import noise_flac, noise_samples, pcm_bytes, sine_samples, sine_wav, soundfile_bytes, synthetic_image_png, synthetic_video, wav_int16
 from tests.conftest import checkpoint
 
 RATE = 16000
@@ -91,9 +101,9 @@ def test_bad_pcm_is_a_value_error(data: bytes, rate: int, channels: int, encodin
 
 def test_pixel_and_frame_limits_name_the_field():
     """Decoded-size limits are checked by the decoder that the encoder and the oracle share."""
+    from devkit.media import synthetic_frames_png
     from epd.domain import VideoFrames
     from epd.media import MediaError
-    from epd.testing import synthetic_frames_png
 
     decoder = MediaDecoder.for_model(checkpoint("qwen3_vl"), MediaLimits(max_image_pixels=100 * 80, max_video_frames=5))
     assert decoder.decode(MediaInput(Modality.IMAGE, MediaFile(synthetic_image_png(100, 80, seed=1), "image/png"))).size == (100, 80)

@@ -19,8 +19,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from devkit.media import sine_wav, synthetic_image_png, synthetic_video
 from epd.client import chat_request, generate
-from epd.testing import sine_wav, synthetic_image_png, synthetic_video
 from epd.v1 import decode_pb2, encoder_pb2, encoder_pb2_grpc, multimodal_pb2
 from tests.conftest import BF16, stack_key
 from tests.helpers import MIN_TOKENS, assert_matches_monolithic, gateway_stub, wait_for_metric
@@ -83,7 +83,7 @@ async def test_omni_metadata_only_path_carries_no_media(family_stack, family):
     tone, png = _tone(1.0, 15), _image(16)
     request = chat_request([tone, png, "Both?"], max_tokens=16, min_tokens=MIN_TOKENS)
     oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=180)
-    from epd.launcher import gateway_args
+    from cli.launcher import gateway_args
 
     tap = RecordingProxy(family_stack.decode.address, streaming=frozenset({"Decode"}))
     s = family_stack

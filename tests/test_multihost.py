@@ -16,10 +16,10 @@ import time
 
 import pytest
 
+from cli.launcher import Stack, gateway_args
+from devkit.media import synthetic_image_png
 from epd.client import chat_request, generate
-from epd.launcher import Stack, gateway_args
 from epd.telemetry import scrape
-from epd.testing import synthetic_image_png
 from gateway.router import HashRing
 from tests.helpers import SMALL_KV_CACHE, affinity_key_flags, gateway_stub, image_affinity_key
 from tests.netns import Hosts, can_create_namespaces

@@ -18,8 +18,8 @@ import subprocess
 import grpc
 import pytest
 
+from devkit.media import synthetic_image_png
 from epd.client import chat_request, generate
-from epd.testing import synthetic_image_png
 from epd.v1 import common_pb2
 from tests.helpers import violations, wait_for_metric
 

@@ -31,20 +31,20 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from cli.launcher import ServiceProcess, gateway_args
+from devkit.media import noise_flac, sine_wav, synthetic_image_png, synthetic_video
 from epd import wire
 from epd.client import chat_request, content_part, generate
 from epd.errors import DeadlineExceeded, FailedPrecondition, FieldViolation, Internal, InvalidArgument, NotFound, ResourceExhausted, Unavailable
-from epd.launcher import ServiceProcess, gateway_args
 from epd.security import TlsConfig
 from epd.server import ServerConfig
 from epd.telemetry import scrape
-from epd.testing import noise_flac, sine_wav, synthetic_image_png, synthetic_video
 from epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from gateway import openai_wire
+from gateway.config import GatewayConfig
 from gateway.media_fetch import MediaFetcher, MediaFetchError, address_problem, check_url
 from gateway.openai_front import OpenAIFront
 from gateway.pipeline import Mode
-from gateway.server import GatewayConfig
 from tests.conftest import DEFAULT_FAMILY
 from tests.helpers import gateway_stub, wait_for_metric
 

@@ -11,10 +11,10 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from cli.launcher import gateway_args
+from devkit.media import synthetic_image_png
 from epd.client import chat_request, generate
-from epd.launcher import gateway_args
 from epd.telemetry import scrape
-from epd.testing import synthetic_image_png
 from tests.helpers import SMALL_KV_CACHE, gateway_stub, wait_for_metric
 
 SERVICES = {

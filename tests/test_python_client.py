@@ -14,8 +14,8 @@ import subprocess
 
 import pytest
 
+from devkit.media import synthetic_image_png
 from epd.client import chat_request, generate
-from epd.testing import synthetic_image_png
 from epd.v1 import common_pb2
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

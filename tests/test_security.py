@@ -24,10 +24,10 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from cli.launcher import Stack, gateway_args
+from devkit.media import synthetic_image_png
 from epd.client import chat_request, generate, open_channel
-from epd.launcher import Stack, gateway_args
 from epd.security import TlsConfig, channel_credentials
-from epd.testing import synthetic_image_png
 from epd.v1 import encoder_pb2, encoder_pb2_grpc, gateway_pb2, gateway_pb2_grpc, multimodal_pb2
 from tests.conftest import checkpoint
 from tests.helpers import MIN_TOKENS, SMALL_KV_CACHE
@@ -193,7 +193,7 @@ async def test_epd_generate_cli_speaks_mtls_with_a_token(secure_stack, family_st
     oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=180)
     pki = secure_stack.pki
     tls = ["--tls-ca", str(pki.ca.cert), "--tls-cert", str(pki.client.cert), "--tls-key", str(pki.client.key)]
-    command = [sys.executable, "-m", "epd.cli", "generate", "--gateway", secure_stack.addresses[gateway], "--media", str(png), "--max-tokens", "8"]
+    command = [sys.executable, "-m", "cli", "generate", "--gateway", secure_stack.addresses[gateway], "--media", str(png), "--max-tokens", "8"]
     run = subprocess.run([*command, *tls, "--auth-token-file", str(pki.token_file), "What is this?"], capture_output=True, text=True, timeout=180)
     assert run.returncode == 0, run.stderr
     assert run.stdout.startswith(oracle.text + "\n[finish=")

@@ -26,17 +26,18 @@ from epd import wire
 from epd.domain import InlineEmbedding, NixlLocation
 from epd.errors import InvalidArgument
 from epd.ports import free_port
-from epd.transport.arena import EmbeddingArena, SharedCounters
-from epd.transport.claims import ClaimLedger
-from epd.transport.connector_desk import ConnectorDeskClient, LeaseHeld, is_engine_id_of, open_desk
-from epd.transport.ec_config import ConnectorConfig
-from epd.transport.ec_consumer import ConsumerScheduler
-from epd.transport.ec_params import ExpectedItem, expected_to_params
-from epd.transport.errors import TransferError
-from epd.transport.location import decode_descriptors, encode_descriptors, location_tag
-from epd.transport.nixl import LeaseReleaser, NixlReader, Read, TransferCredentials
-from epd.transport.shared_buffer import SharedBuffer
-from epd.transport.slot_header import HEADER_BYTES, SlotHeader, SlotStatus
+from epd.transport.connector.ec_config import ConnectorConfig
+from epd.transport.connector.ec_consumer import ConsumerScheduler
+from epd.transport.connector.ec_params import ExpectedItem, expected_to_params
+from epd.transport.desk import ConnectorDeskClient, LeaseHeld, is_engine_id_of, open_desk
+from epd.transport.memory.arena import EmbeddingArena, SharedCounters
+from epd.transport.memory.claims import ClaimLedger
+from epd.transport.memory.shared_buffer import SharedBuffer
+from epd.transport.memory.slot_header import HEADER_BYTES, SlotHeader, SlotStatus
+from epd.transport.wire.credentials import TransferCredentials
+from epd.transport.wire.errors import TransferError
+from epd.transport.wire.location import decode_descriptors, encode_descriptors, location_tag
+from epd.transport.wire.nixl import LeaseReleaser, NixlReader, Read
 from epd.v1 import multimodal_pb2
 from tests.transport_producer import ARENA_BYTES, SLOT_BYTES, make_rows, producer_main
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from devkit.media import synthetic_frames_png, synthetic_image_png, synthetic_video
 from epd.client import chat_request, generate
-from epd.testing import synthetic_frames_png, synthetic_image_png, synthetic_video
 from epd.v1 import multimodal_pb2
 from tests.conftest import MAX_VIDEO_FRAMES
 from tests.helpers import MIN_TOKENS, assert_matches_monolithic, encode_then_prefill, violations, wait_for_metric
@@ -165,7 +165,7 @@ async def test_encoder_batches_each_modality_across_requests_and_keeps_prompt_or
 async def test_byte_limits_per_item_and_per_request(family_stack, family):
     """A gateway with small byte limits refuses an oversized item and an oversized request, with
     the field named, before any stage works, and still serves a request within them."""
-    from epd.launcher import gateway_args
+    from cli.launcher import gateway_args
     from tests.helpers import gateway_stub
 
     small, other = synthetic_image_png(100, 80, seed=50), synthetic_image_png(100, 80, seed=51)

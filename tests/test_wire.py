@@ -12,7 +12,14 @@ from epd import wire
 from epd.domain import EngineField, GridThw, InlineEmbedding, ItemMetadata, MediaFile, MediaInput, Modality, NixlLocation, VideoFrames, VideoSampling
 from epd.errors import InvalidArgument, ResourceExhausted, to_rpc_status
 from epd.mm_items import batch_fields, engine_field_from_vllm, metadata_from_published, vllm_fields
-from epd.transport.ec_params import ExpectedItem, PublishedItem, expected_from_params, expected_to_params, published_from_params, published_to_params
+from epd.transport.connector.ec_params import (
+    ExpectedItem,
+    PublishedItem,
+    expected_from_params,
+    expected_to_params,
+    published_from_params,
+    published_to_params,
+)
 from epd.v1 import common_pb2, engine_pb2, gateway_pb2, multimodal_pb2
 
 

@@ -20,10 +20,11 @@ import grpc
 import torch
 
 from epd.domain import NixlLocation
-from epd.transport.arena import EmbeddingArena, SharedCounters
-from epd.transport.nixl import LeaseReleaser, NixlPublisher, TransferCredentials
-from epd.transport.shared_buffer import SharedBuffer
-from epd.transport.slot_header import HEADER_BYTES, SlotHeader, SlotStatus, slot_bytes
+from epd.transport.memory.arena import EmbeddingArena, SharedCounters
+from epd.transport.memory.shared_buffer import SharedBuffer
+from epd.transport.memory.slot_header import HEADER_BYTES, SlotHeader, SlotStatus, slot_bytes
+from epd.transport.wire.credentials import TransferCredentials
+from epd.transport.wire.nixl import LeaseReleaser, NixlPublisher
 from epd.v1 import encoder_pb2, encoder_pb2_grpc
 
 ARENA_BYTES = SharedCounters.BYTES + 64 * 64 * 1024

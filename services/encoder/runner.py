@@ -4,8 +4,8 @@ metadata and embedding locations.
 
 vLLM owns everything model-specific here: its processor lays each item out and its tower encodes
 it; its scheduler batches items across concurrent requests; the EC connector publishes each
-output in the arena (``epd.transport.ec_connector``). A request whose every item the arena holds
-is served by the connector's cache desk instead (``epd.transport.connector_desk``), with what vLLM
+output in the arena (``epd.transport.connector.ec_connector``). A request whose every item the arena holds
+is served by the connector's cache desk instead (``epd.transport.desk``), with what vLLM
 published of each item when its tower ran: no decode, no processor, no engine step.
 """
 
@@ -20,16 +20,14 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from epd import telemetry
-from epd.domain import EncodedItem, MediaInput, NixlLocation, Sampling
+from epd.domain import EncodedItem, MediaInput, NixlLocation, PublishedItem, Sampling
 from epd.engine import Engine
 from epd.errors import FailedPrecondition, FieldViolation, Internal, InvalidArgument, ResourceExhausted
 from epd.media import MediaLimits, check_modalities, source_field
 from epd.media.decode import MediaDecoder, vllm_input
 from epd.mm_items import metadata_from_published
 from epd.prompt import PromptRenderer
-from epd.transport.claims import ClaimLedger
-from epd.transport.ec_params import PublishedItem, published_from_params
-from epd.transport.slot_header import HEADER_BYTES
+from epd.transport import HEADER_BYTES, ClaimLedger, published_from_params
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +103,7 @@ class EncoderRunner:
         if self.engine.config.embedding_transport != "nixl":
             raise FailedPrecondition("this encoder publishes embeddings inline; it has no NIXL transfer metadata")
         if self._credentials is None:
-            from epd.transport.nixl import TransferCredentials
+            from epd.transport import TransferCredentials
 
             self._credentials = TransferCredentials.load(f"{self.engine.engine_id}-transfer")
         return self._credentials
@@ -123,7 +121,7 @@ class EncoderRunner:
         if not lease_ids or self.engine.config.embedding_transport != "nixl":
             return  # inline leases end as soon as they are published
         if self._releaser is None:
-            from epd.transport.nixl import LeaseReleaser
+            from epd.transport import LeaseReleaser
 
             self._releaser = LeaseReleaser(f"{self.engine.engine_id}-release", self.transfer_credentials(), bind_host=self.engine.config.nixl_listen_host)
         await asyncio.to_thread(self._releaser.release, lease_ids)

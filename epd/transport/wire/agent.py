@@ -7,7 +7,7 @@ if the bindings change, only this module needs to follow.
 
 No agent here opens NIXL's metadata listener: that listener hands this agent's metadata (the keys
 to its registered memory) to anyone who connects, unauthenticated. Metadata travels only over
-EPD's gRPC channel instead (see :mod:`epd.transport.nixl`), as bytes from :meth:`NixlAgent.metadata`
+EPD's gRPC channel instead (see :mod:`epd.transport.wire.nixl`), as bytes from :meth:`NixlAgent.metadata`
 loaded with :meth:`NixlAgent.load_peer`.
 """
 
@@ -25,8 +25,8 @@ import psutil
 import torch
 from nixl import _bindings as nixlb
 
-from epd.transport.errors import TransferError
-from epd.transport.location import Row
+from epd.transport.wire.errors import TransferError
+from epd.transport.wire.location import Row
 
 logger = logging.getLogger(__name__)
 

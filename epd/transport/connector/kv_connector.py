@@ -10,7 +10,7 @@
   own embedding agents use.
 - **Failures that say why.** vLLM ends a request whose KV could not be loaded with finish reason
   "error" and logs the cause. The worker's failures are also noted on the engine core's desk
-  (:mod:`epd.transport.connector_desk`, named by ``kv_connector_extra_config["epd_desk"]``), so
+  (:mod:`epd.transport.desk`, named by ``kv_connector_extra_config["epd_desk"]``), so
   the decode service's status names the cause.
 
 Engines load this module by ``kv_connector_module_path`` (:class:`epd.engine.Engine`), in the
@@ -24,8 +24,8 @@ from typing import Any
 from nixl import _bindings as nixlb
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector as VllmNixlConnector
 
-from epd.transport._agent import PROGRESS_WAKEUP_US
-from epd.transport.connector_desk import FailureLedger, open_desk
+from epd.transport.desk import FailureLedger, open_desk
+from epd.transport.wire.agent import PROGRESS_WAKEUP_US
 
 __all__ = ["DESK_KEY", "NixlConnector"]
 

@@ -13,9 +13,9 @@ from collections.abc import Hashable, Sequence
 import torch
 
 from epd.domain import EmbeddingLocation, InlineEmbedding
-from epd.transport.arena import Lease
-from epd.transport.base import Read
-from epd.transport.slot_header import HEADER_BYTES
+from epd.transport.memory.arena import Lease
+from epd.transport.memory.slot_header import HEADER_BYTES
+from epd.transport.wire.base import Read
 
 
 class InlinePublisher:

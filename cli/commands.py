@@ -14,10 +14,9 @@ import argparse
 import asyncio
 import dataclasses
 import pathlib
-import sys
 from collections.abc import Sequence
 
-from epd.checkpoints import ALL_FAMILIES as TINY_FAMILIES  # cheap: its heavy imports are lazy
+from devkit.checkpoints import ALL_FAMILIES as TINY_FAMILIES  # cheap: its heavy imports are lazy
 
 DEFAULT_CHECKPOINT_ROOT = pathlib.Path("checkpoints")
 DEFAULT_FAMILY = "qwen2_5_vl"
@@ -234,7 +233,7 @@ def build_parser() -> argparse.ArgumentParser:
     ckpt.add_argument("--out", required=True)
     ckpt.add_argument("--seed", type=int, default=0)
     ckpt.add_argument("--vision-seed", type=int, default=None)
-    # The scales epd.checkpoints builds (SCALES), spelled out like TINY_FAMILIES.
+    # The scales devkit.checkpoints builds (SCALES), spelled out like TINY_FAMILIES.
     ckpt.add_argument("--scale", choices=["tiny", "bench"], default="tiny", help="bench: same tower, a 0.9 GB LM in 16 shards (for benchmarks)")
     return parser
 
@@ -246,7 +245,7 @@ def _encoder_config_class():
 
 
 def _gateway_config_class():
-    from gateway.server import GatewayConfig
+    from gateway.config import GatewayConfig
 
     return GatewayConfig
 
@@ -294,7 +293,7 @@ def _media_limits(args):
 
 
 def _run_service(args) -> None:
-    from epd.launcher import exit_with_launcher
+    from cli.launcher import exit_with_launcher
     from epd.server import configure_logging
 
     configure_logging(args.log_level)
@@ -350,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         _run_service(args)
         return 0
     if args.command == "shared-cache":
-        from epd.launcher import exit_with_launcher
+        from cli.launcher import exit_with_launcher
         from epd.server import configure_logging
         from epd.shared_cache import serve
 
@@ -358,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         exit_with_launcher()
         return serve(_shared_cache_config_class()(**_values(args, ["host", "port", "metadata_port", "metrics_port", "segment_bytes"])))
     if args.command == "build-checkpoint":
-        from epd.checkpoints import build_tiny_checkpoint
+        from devkit.checkpoints import build_tiny_checkpoint
 
         print(build_tiny_checkpoint(args.family, args.out, seed=args.seed, vision_seed=args.vision_seed, scale=args.scale))
         return 0
@@ -370,10 +369,6 @@ def main(argv: list[str] | None = None) -> int:
         credentials = channel_credentials(_tls_config(args, _CLIENT_TLS_FIELDS), token=token)
         media = [pathlib.Path(p) for p in args.media]
         return asyncio.run(generate_cli(args.gateway, args.prompt, media, args.max_tokens, args.temperature, credentials=credentials))
-    from epd.launcher import up_cli
+    from cli.launcher import up_cli
 
     return up_cli(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

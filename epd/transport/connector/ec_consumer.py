@@ -23,19 +23,19 @@ import time
 from typing import TYPE_CHECKING
 
 from epd.domain import EmbeddingLocation, InlineEmbedding, NixlLocation
-from epd.transport._slots import PAGE_BYTES, SlotAllocator
-from epd.transport.arena import SharedCounters
-from epd.transport.base import Read, Reader
-from epd.transport.connector_desk import open_desk
-from epd.transport.ec_params import ExpectedItem, expected_from_params
-from epd.transport.shared_buffer import SharedBuffer
-from epd.transport.slot_header import DTYPES, HEADER_BYTES, SlotHeader, header_fields, ready_fields, slot_bytes
+from epd.transport.connector.ec_params import ExpectedItem, expected_from_params
+from epd.transport.desk import open_desk
+from epd.transport.memory.arena import SharedCounters
+from epd.transport.memory.shared_buffer import SharedBuffer
+from epd.transport.memory.slot_header import DTYPES, HEADER_BYTES, SlotHeader, header_fields, ready_fields, slot_bytes
+from epd.transport.memory.slots import PAGE_BYTES, SlotAllocator
+from epd.transport.wire.base import Read, Reader
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-    from epd.transport.ec_config import ConnectorConfig
+    from epd.transport.connector.ec_config import ConnectorConfig
 
 logger = logging.getLogger(__name__)
 
@@ -336,11 +336,11 @@ class ConsumerScheduler:
         kind = type(location)
         if kind not in self._readers:
             if kind is InlineEmbedding:
-                from epd.transport.inline import InlineReader
+                from epd.transport.wire.inline import InlineReader
 
                 self._readers[kind] = InlineReader(self._buffer.tensor)
             else:
-                from epd.transport.nixl import NixlReader
+                from epd.transport.wire.nixl import NixlReader
 
                 self._readers[kind] = NixlReader(
                     self._buffer.tensor,

@@ -1,7 +1,7 @@
 """The NIXL transport: a publisher that exposes a producer's arena, a reader that READs from it.
 
 Both are driven by polling, never by blocking: they run inside vLLM's scheduler loop (see
-:mod:`epd.transport.ec_connector`), where a wait on one slow or forged peer would stall every
+:mod:`epd.transport.connector.ec_connector`), where a wait on one slow or forged peer would stall every
 request of the engine.
 
 Trust. NIXL authenticates nothing: whoever holds an agent's metadata and can reach its host can
@@ -16,7 +16,7 @@ READ all of its registered memory. So:
   at the location's ``encoder_address`` gave it, so a handle cannot be moved onto another
   request's slot or lease;
 - after every READ the consumer checks the slot header's generation against the location's
-  (:mod:`epd.transport.ec_consumer`), so a replayed handle whose slot was refilled is refused.
+  (:mod:`epd.transport.connector.ec_consumer`), so a replayed handle whose slot was refilled is refused.
 
 The reader fetches a producer's credentials with a non-blocking gRPC call whose future it polls,
 caches them per encoder address, and fetches them again when a location does not verify or a
@@ -35,7 +35,7 @@ that gave no arena, a destination off a page boundary) is read with descriptors 
 before. A producer's prepared list is released before its metadata is dropped, and never while
 a READ made from it runs (NIXL's cleanup order).
 
-Locations' wire-level pieces (descriptor format, tag) live in :mod:`epd.transport.location`,
+Locations' wire-level pieces (descriptor format, tag) live in :mod:`epd.transport.wire.location`,
 which services can import without NIXL.
 """
 
@@ -44,94 +44,27 @@ from __future__ import annotations
 import dataclasses
 import logging
 import secrets
-import struct
 import time
 from collections.abc import Hashable, Sequence
-from typing import TYPE_CHECKING
 
 import grpc
 import numpy as np
 import torch
 
 from epd.domain import NixlLocation
-from epd.transport._agent import NixlAgent, Row
-from epd.transport._slots import PAGE_BYTES
-from epd.transport.arena import ARENA_COUNTERS, Lease, SharedCounters
-from epd.transport.base import Read
-from epd.transport.errors import TransferError
-from epd.transport.location import LEASE_ID, decode_descriptors, encode_descriptors, location_tag, tag_matches
-from epd.transport.shared_buffer import SharedBuffer
-
-if TYPE_CHECKING:
-    from epd.v1 import encoder_pb2
+from epd.transport.memory.arena import ARENA_COUNTERS, Lease, SharedCounters
+from epd.transport.memory.slots import PAGE_BYTES
+from epd.transport.wire.agent import NixlAgent, Row
+from epd.transport.wire.base import Read
+from epd.transport.wire.credentials import TransferCredentials
+from epd.transport.wire.errors import TransferError
+from epd.transport.wire.location import LEASE_ID, decode_descriptors, encode_descriptors, location_tag, tag_matches
 
 logger = logging.getLogger(__name__)
 
 # A lease id list travels as one notification message, ids joined by this separator.
 _LEASE_SEPARATOR = ","
 _KEY_BYTES = 32
-_CREDENTIALS_FORMAT = struct.Struct("<4sBIII")  # magic, version, then the three field lengths
-_CREDENTIALS_ARENA = struct.Struct("<QQQ")  # then the arena's address, bytes and unit
-_CREDENTIALS_VERSION = 2
-_CREDENTIALS_MAGIC = b"EPDT"
-
-
-# ---- credentials and location tags ------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class TransferCredentials:
-    """What a consumer needs to READ a producer's arena: secrets, handed out only over gRPC.
-
-    The arena fields (as in ``GetTransferMetadataResponse``) let a consumer prepare the arena's
-    descriptors once; all 0 when the producer does not say.
-    """
-
-    agent_name: str
-    agent_metadata: bytes
-    location_key: bytes
-    arena_address: int = 0  # of the first slot, in the producer's process
-    arena_bytes: int = 0  # a whole number of units
-    arena_unit_bytes: int = 0  # the slot size: items start on a unit boundary and own whole units
-
-    def save(self, buffer_name: str) -> SharedBuffer:
-        """Writes them to a ``0600`` shared-memory file for the encoder service next to the
-        engine (which serves ``GetTransferMetadata``); keep the buffer and close it at shutdown."""
-        name = self.agent_name.encode()
-        blob = _CREDENTIALS_FORMAT.pack(_CREDENTIALS_MAGIC, _CREDENTIALS_VERSION, len(name), len(self.agent_metadata), len(self.location_key))
-        blob += _CREDENTIALS_ARENA.pack(self.arena_address, self.arena_bytes, self.arena_unit_bytes)
-        blob += name + self.agent_metadata + self.location_key
-        buffer = SharedBuffer.create(buffer_name, len(blob))
-        buffer.tensor.copy_(torch.frombuffer(bytearray(blob), dtype=torch.uint8))
-        return buffer
-
-    @classmethod
-    def load(cls, buffer_name: str) -> TransferCredentials:
-        """Reads what :meth:`save` wrote.
-
-        Raises:
-            FileNotFoundError: the producer has not written them (inline transport, or not started).
-            ValueError: the file holds something else.
-        """
-        raw = bytes(SharedBuffer.attach(buffer_name).tensor.numpy())
-        magic, version, name_len, metadata_len, key_len = _CREDENTIALS_FORMAT.unpack_from(raw)
-        # The engine that writes the file and the service that reads it are one deployment.
-        header_len = _CREDENTIALS_FORMAT.size + _CREDENTIALS_ARENA.size
-        if magic != _CREDENTIALS_MAGIC or version != _CREDENTIALS_VERSION or len(raw) != header_len + name_len + metadata_len + key_len:
-            raise ValueError(f"shared buffer {buffer_name!r} holds no EPD transfer credentials")
-        arena = _CREDENTIALS_ARENA.unpack_from(raw, _CREDENTIALS_FORMAT.size)
-        body = raw[header_len:]
-        return cls(body[:name_len].decode(), body[name_len : name_len + metadata_len], body[name_len + metadata_len :], *arena)
-
-    def to_wire(self) -> encoder_pb2.GetTransferMetadataResponse:
-        """The ``GetTransferMetadata`` answer that hands them to a consumer."""
-        from epd.v1 import encoder_pb2
-
-        return encoder_pb2.GetTransferMetadataResponse(**dataclasses.asdict(self))
-
-    @classmethod
-    def from_wire(cls, response: encoder_pb2.GetTransferMetadataResponse) -> TransferCredentials:
-        return cls(**{field.name: getattr(response, field.name) for field in dataclasses.fields(cls)})
 
 
 # ---- producer side ----------------------------------------------------------------------------
@@ -142,7 +75,7 @@ class NixlPublisher:
 
     def __init__(self, buffer: torch.Tensor, *, agent_name: str, bind_host: str) -> None:
         """Args:
-        buffer: the :class:`~epd.transport.arena.EmbeddingArena`'s whole buffer, made before
+        buffer: the :class:`~epd.transport.memory.arena.EmbeddingArena`'s whole buffer, made before
             this: the arena's slot layout, which the credentials tell consumers, is read from
             the counters the arena wrote at the buffer's start (a buffer without them gives
             consumers no arena; they then READ with per-READ descriptors).
@@ -188,7 +121,7 @@ class NixlPublisher:
 
 def _arena_layout(buffer: torch.Tensor) -> tuple[int, int, int]:
     """(address of the first slot, bytes of all slots, slot bytes) of the arena over ``buffer``,
-    as :class:`~epd.transport.arena.EmbeddingArena` lays it out (slots after its counters), or
+    as :class:`~epd.transport.memory.arena.EmbeddingArena` lays it out (slots after its counters), or
     zeros when the buffer holds no arena's counters."""
     nbytes = buffer.numel() * buffer.element_size()
     if nbytes < SharedCounters.BYTES:
@@ -284,7 +217,7 @@ class NixlReader:
     reached, or the READ errs or outlives ``timeout_s``.
 
     A read's destination is the whole pages (``PAGE_BYTES``, counted from the buffer's start)
-    that its bytes touch, as :class:`~epd.transport.ec_consumer.ConsumerScheduler` allocates
+    that its bytes touch, as :class:`~epd.transport.connector.ec_consumer.ConsumerScheduler` allocates
     them: a READ through the prepared lists fills the last one to its end, with bytes of the
     item's own slot on the producer.
     """
@@ -301,7 +234,7 @@ class NixlReader:
     ) -> None:
         """Args:
         channel_credentials: TLS credentials for the gRPC calls to encoders (from
-            :meth:`epd.transport.ec_config.ConnectorConfig.channel_credentials`); None means
+            :meth:`epd.transport.connector.ec_config.ConnectorConfig.channel_credentials`); None means
             plaintext, acceptable only where a network policy confines the encoders' port.
         """
         self._agent = NixlAgent(agent_name, bind_host=bind_host, progress_thread=False)
@@ -542,7 +475,7 @@ class NixlReader:
         Rounding is safe when the item is one range starting on a slot of the arena (it owns
         whole slots, and whole pages tile a slot) and its destination starts on a page of this
         buffer (it owns the pages its bytes touch). Producers publish every item so, and
-        :class:`~epd.transport.ec_consumer.ConsumerScheduler` puts every item on a page.
+        :class:`~epd.transport.connector.ec_consumer.ConsumerScheduler` puts every item on a page.
         """
         local, remote = [], []
         for read, rows in posted:

@@ -1273,8 +1273,8 @@ def _write_text(path: pathlib.Path, text: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: ``python -m epd.checkpoints --family F --out DIR [--seed N] [--vision-seed M] [--scale S]``."""
-    parser = argparse.ArgumentParser(prog="python -m epd.checkpoints", description=__doc__.splitlines()[0])
+    """Command line: ``python -m devkit.checkpoints --family F --out DIR [--seed N] [--vision-seed M] [--scale S]``."""
+    parser = argparse.ArgumentParser(prog="python -m devkit.checkpoints", description=__doc__.splitlines()[0])
     parser.add_argument("--family", required=True, choices=ALL_FAMILIES)
     parser.add_argument("--out", required=True, type=pathlib.Path, help="checkpoint directory to write")
     parser.add_argument("--seed", type=int, default=0, help="seed of the language-model weights")

@@ -35,8 +35,8 @@ import time
 import numpy as np
 import torch
 
-from epd.transport._slots import SlotAllocator
-from epd.transport.location import LEASE_ID_BYTES
+from epd.transport.memory.slots import SlotAllocator
+from epd.transport.wire.location import LEASE_ID_BYTES
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,26 +15,10 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from epd.domain import EmbeddingLocation, EngineField, InlineEmbedding, NixlLocation
+from epd.domain import EmbeddingLocation, EngineField, InlineEmbedding, NixlLocation, PublishedItem
 
 KEY = "epd"
 VERSION = 1
-
-
-@dataclasses.dataclass(frozen=True)
-class PublishedItem:
-    """One item as the producer engine published it."""
-
-    modality: str
-    rows: int
-    width: int
-    dtype: str
-    placeholder_length: int
-    placeholder_token_id: int
-    fields: dict[str, EngineField]
-    layout_needs_media: bool  # the model declares no metadata-only layout for the modality
-    location: EmbeddingLocation | None  # None when publishing failed
-    error: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

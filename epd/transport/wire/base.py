@@ -3,8 +3,8 @@
 A :class:`Publisher` tells consumers where a producer's published slot can be had; a
 :class:`Reader` brings a published item into a consumer's receive buffer. Both are driven by
 polling from vLLM's scheduler loop and never block it. Implementations: NIXL one-sided READs
-(:mod:`epd.transport.nixl`, the default) and bytes carried in the request itself
-(:mod:`epd.transport.inline`, for benchmarks and hosts without NIXL).
+(:mod:`epd.transport.wire.nixl`, the default) and bytes carried in the request itself
+(:mod:`epd.transport.wire.inline`, for benchmarks and hosts without NIXL).
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 from epd.domain import EmbeddingLocation
-from epd.transport.arena import Lease
+from epd.transport.memory.arena import Lease
 
 if TYPE_CHECKING:
-    from epd.transport.nixl import TransferCredentials
+    from epd.transport.wire.credentials import TransferCredentials
 
 
 @dataclasses.dataclass(frozen=True)
@@ -32,7 +32,7 @@ class Read:
 
 class Publisher(Protocol):
     # What consumers need to READ the producer's memory, handed out only over gRPC (NIXL:
-    # epd.transport.nixl.TransferCredentials); None when locations carry the bytes themselves.
+    # epd.transport.wire.credentials.TransferCredentials); None when locations carry the bytes themselves.
     credentials: TransferCredentials | None
 
     def location(self, lease: Lease, expires_at_unix_s: float) -> EmbeddingLocation:

@@ -2,7 +2,7 @@
 
 For every request it sees, it leases one arena fill per distinct item before the request runs:
 the fill already held under the item's content hash when there is one (the encoder-output
-cache, :mod:`epd.transport.arena`), else new slots sized from what vLLM already knows: the
+cache, :mod:`epd.transport.memory.arena`), else new slots sized from what vLLM already knows: the
 item's embedding rows (its placeholder positions), the encoder's output width (measured by vLLM
 at startup) and the model's dtype. Each step's connector metadata tells the worker which slots
 to fill, and which cached outputs to copy into vLLM's encoder cache instead of running the
@@ -27,7 +27,7 @@ its leases ended as soon as the service says so over the engine core's desk, eve
 request finished first and its output was on the way to a caller that is gone.
 
 With the cache on, a request whose every item is held published is served without the engine:
-the encoder service asks the cache desk (:mod:`epd.transport.connector_desk`), which leases the fills
+the encoder service asks the cache desk (:mod:`epd.transport.desk`), which leases the fills
 from its own thread and answers with what vLLM published of each item when its tower ran.
 """
 
@@ -39,14 +39,14 @@ import threading
 from typing import TYPE_CHECKING, Any
 
 from epd.mm_items import engine_field_from_vllm
-from epd.transport.arena import MODALITIES, EmbeddingArena, Lease
-from epd.transport.base import Publisher
-from epd.transport.claims import ClaimLedger
-from epd.transport.connector_desk import GaveUp, LeaseHeld, is_engine_id_of, open_desk
-from epd.transport.ec_config import ConnectorConfig
-from epd.transport.ec_params import PublishedItem, published_to_params
-from epd.transport.shared_buffer import SharedBuffer
-from epd.transport.slot_header import DTYPES, SlotHeader, SlotStatus, dtype_name, slot_bytes
+from epd.transport.connector.ec_config import ConnectorConfig
+from epd.transport.connector.ec_params import PublishedItem, published_to_params
+from epd.transport.desk import GaveUp, LeaseHeld, is_engine_id_of, open_desk
+from epd.transport.memory.arena import MODALITIES, EmbeddingArena, Lease
+from epd.transport.memory.claims import ClaimLedger
+from epd.transport.memory.shared_buffer import SharedBuffer
+from epd.transport.memory.slot_header import DTYPES, SlotHeader, SlotStatus, dtype_name, slot_bytes
+from epd.transport.wire.base import Publisher
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -414,11 +414,11 @@ def _shared_tier(vllm_config: VllmConfig, config: ConnectorConfig, buffer, dtype
 
 def _publisher(config: ConnectorConfig, buffer) -> Publisher:
     if config.transport == "inline":
-        from epd.transport.inline import InlinePublisher
+        from epd.transport.wire.inline import InlinePublisher
 
         return InlinePublisher(buffer)
     if config.transport != "nixl":
         raise ValueError(f"unknown embedding transport {config.transport!r}; expected nixl or inline")
-    from epd.transport.nixl import NixlPublisher
+    from epd.transport.wire.nixl import NixlPublisher
 
     return NixlPublisher(buffer, agent_name=config.agent_name, bind_host=config.listen_host)

@@ -54,7 +54,7 @@ class ServiceProcess:
         self.listening = threading.Event()  # its ports are known (it binds them before loading)
         self.ready = threading.Event()
         self.process = subprocess.Popen(
-            [*(wrapper or []), sys.executable, "-m", "epd.cli", *args],
+            [*(wrapper or []), sys.executable, "-m", "cli", *args],
             stdout=subprocess.PIPE,
             stderr=self._log,
             text=True,
@@ -261,7 +261,7 @@ def up_cli(args) -> int:
     """``epd up``: the whole stack on loopback; with --demo, one streamed multimodal request."""
     import asyncio
 
-    from epd.checkpoints import ensure_tiny_checkpoint
+    from devkit.checkpoints import ensure_tiny_checkpoint
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     model = args.model or str(ensure_tiny_checkpoint(args.family, pathlib.Path("checkpoints")))
@@ -313,7 +313,7 @@ def demo_media(model: str) -> dict[str, bytes]:
     an image processor, a video processor and an audio feature extractor."""
     from transformers import AutoProcessor
 
-    from epd.testing import sine_wav, synthetic_image_png, synthetic_video
+    from devkit.media import sine_wav, synthetic_image_png, synthetic_video
 
     processor = AutoProcessor.from_pretrained(model)
     media = {}

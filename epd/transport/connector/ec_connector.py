@@ -5,7 +5,7 @@ vLLM loads this module by ``ec_connector_module_path`` in the scheduler process 
 worker. The scheduler side does all the work that can fail or wait: leasing arena slots and
 publishing (producer), or resolving handles and running the READs (consumer), asynchronously,
 before vLLM schedules the request. The worker side only moves bytes between vLLM's encoder cache
-and a shared-memory buffer that both sides map (:mod:`epd.transport.shared_buffer`): a producer
+and a shared-memory buffer that both sides map (:mod:`epd.transport.memory.shared_buffer`): a producer
 worker copies each encoder output into its slot; a consumer worker gives the encoder cache views
 of the rows that landed, without a copy.
 
@@ -22,11 +22,11 @@ import torch
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorMetadata, ECConnectorRole
 
 from epd.compat.vllm_metadata import install as _install_vllm_metadata_fixes
-from epd.transport.ec_config import ConnectorConfig
-from epd.transport.ec_consumer import ConsumerScheduler, Install
-from epd.transport.ec_producer import ProducerScheduler, Restore, Save
-from epd.transport.shared_buffer import SharedBuffer
-from epd.transport.slot_header import DTYPES, HEADER_BYTES, SlotHeader, SlotStatus
+from epd.transport.connector.ec_config import ConnectorConfig
+from epd.transport.connector.ec_consumer import ConsumerScheduler, Install
+from epd.transport.connector.ec_producer import ProducerScheduler, Restore, Save
+from epd.transport.memory.shared_buffer import SharedBuffer
+from epd.transport.memory.slot_header import DTYPES, HEADER_BYTES, SlotHeader, SlotStatus
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

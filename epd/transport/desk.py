@@ -18,7 +18,7 @@ core (a prefill's EC consumer and KV producer share it: :func:`open_desk`). Thre
   cancelled, or it waited past its queue timeout). Its engine request may have finished already,
   its output on the way to a caller that is gone, or finish before vLLM sees the abort: either
   way the producer frees the leases it published, which nobody would read before their TTL
-  (:class:`epd.transport.claims.ClaimLedger`).
+  (:class:`epd.transport.memory.claims.ClaimLedger`).
 
 Frames are msgpack, the question tagged by its type.
 """
@@ -37,7 +37,7 @@ from typing import Any
 
 import msgspec
 
-from epd.transport.shared_buffer import find, owned_path
+from epd.transport.memory.shared_buffer import find, owned_path
 
 logger = logging.getLogger(__name__)
 
