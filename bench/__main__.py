@@ -40,54 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     for name in chosen:
         progress(f"{name}: starting")
-        command = command_line(only=name)  # what reproduces this experiment alone
-        if name == "handoff":
-            from bench.handoff import run as run_handoff
-
-            path = run_handoff(quick=args.quick, iterations=args.iterations, results_dir=args.results_dir, command=command)
-        elif name == "cold_start":
-            from bench.cold_start import run as run_cold_start
-
-            path = run_cold_start(quick=args.quick, repeats=args.repeats, results_dir=args.results_dir, command=command)
-        elif name == "encoder_throughput":
-            from bench.encoder_throughput import run as run_encoder_throughput
-
-            path = run_encoder_throughput(quick=args.quick, repeats=args.repeats, num_items=args.num_items, results_dir=args.results_dir, command=command)
-        elif name == "encoder_cache":
-            from bench.encoder_cache import run as run_encoder_cache
-
-            path = run_encoder_cache(quick=args.quick, results_dir=args.results_dir, command=command)
-        elif name == "faults":
-            from bench.faults import run as run_faults
-
-            path = run_faults(quick=args.quick, results_dir=args.results_dir, command=command)
-        elif name == "soak":
-            from bench.soak import run as run_soak
-
-            path = run_soak(quick=args.quick, num_requests=args.num_requests, results_dir=args.results_dir, command=command)
-        elif name == "gateway_overhead":
-            from bench.gateway_overhead import run as run_gateway_overhead
-
-            path = run_gateway_overhead(quick=args.quick, num_requests=args.num_requests, results_dir=args.results_dir, command=command)
-        elif name == "h2_abuse":
-            from bench.h2_abuse import run as run_h2_abuse
-
-            path = run_h2_abuse(quick=args.quick, results_dir=args.results_dir, command=command)
-        else:
-            from bench.serving import run as run_serving
-
-            path = run_serving(
-                experiment=name,
-                quick=args.quick,
-                model=args.model,
-                rate=args.rate,
-                num_requests=args.num_requests,
-                repeats=args.repeats,
-                max_concurrency=args.max_concurrency,
-                duration_s=args.duration_s,
-                results_dir=args.results_dir,
-                command=command,
-            )
+        experiment = EXPERIMENTS[name]
+        options = {option: getattr(args, option) for option in experiment.options}
+        # The command recorded with the result reruns this experiment alone.
+        path = experiment.module().run(quick=args.quick, results_dir=args.results_dir, command=command_line(only=name), **dict(experiment.fixed), **options)
         progress(f"{name}: wrote {path}")
     from bench.report import write_plots, write_report
 

@@ -49,6 +49,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from bench.common import RESULTS_DIR, command_line, progress, summarize, write_result
+from bench.formatting import MIB, fmt, machine
 
 NAME = "cold_start"
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -388,3 +389,48 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+# ---- the report section ---------------------------------------------------------------------
+
+
+def report(doc: dict) -> list[str]:
+    c, cfg = doc["checkpoint"], doc["config"]
+    commands = "; ".join(f"{mode}: `{command}`" for mode, command in cfg["commands"].items())
+    lines = [
+        "## Encoder cold start: vLLM encoder-only service vs a full engine, to ready",
+        "",
+        f"Command: `{doc['command']}`  ",
+        f"Machine: {machine(doc)}  ",
+        f"Checkpoint: `{cfg['checkpoint']}`, {c['shards']} shards, {c['bytes'] / MIB:.1f} MiB of tensors. Services: {commands}. "
+        f"Medians over {cfg['repeats']} starts; seconds from spawning the process.",
+        "",
+        "| mode | page cache | shards read (its log) | read from disk (shards, MiB) | to ready s median | p99 | to listening s | model load s | vLLM weights s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in doc["results"]:
+        disk = f"{r['shards_read_from_disk']}, {r['bytes_read_from_disk'] / MIB:.1f}" if "shards_read_from_disk" in r else "n/a (warm)"
+        lines.append(
+            f"| {r['mode']} | {r['page_cache']} | {r['shards_read']} of {r['shards_total']} | {disk} | {fmt(r['seconds_to_ready']['median'], 2)} "
+            f"| {fmt(r['seconds_to_ready']['p99'], 2)} | {fmt(r['seconds_to_listening']['median'], 2)} | {fmt(r['load_model_seconds']['median'], 3)} "
+            f"| {fmt(r['weights_seconds']['median'], 2)} |"
+        )
+    ratios = ", ".join(f"{k} ×{fmt(v, 2)}" for k, v in doc["ratios"].items() if v is not None)
+    left_out = " Cold starts were left out: the checkpoint could not be evicted from the page cache." if cfg["cold_left_out"] else ""
+    return [*lines, "", f"Ratios (full engine over encoder-only): {ratios}.{left_out}", ""]
+
+
+def plot(doc: dict, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = doc["results"]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.bar([f"{r['mode']}\n{r['page_cache']}" for r in rows], [r["seconds_to_ready"]["median"] for r in rows])
+    ax.set_ylabel("seconds to ready (median)")
+    ax.set_title("Cold start: vLLM encoder-only service vs full engine")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

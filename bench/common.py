@@ -3,6 +3,8 @@ description, and the result file format."""
 
 from __future__ import annotations
 
+import dataclasses
+import importlib
 import json
 import os
 import pathlib
@@ -15,10 +17,42 @@ from collections.abc import Sequence
 from typing import Any
 
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
-# The experiments, in the order the suite runs them and the report shows them (bench.__main__
-# runs them, bench.report renders them; both import these names from here, never each other).
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+    """One experiment of the suite: its module (``bench.<module>``) has ``run(*, quick,
+    results_dir, command, **options)``, which writes ``<name>.json``, and ``report(doc)``, its
+    section of BENCHMARKS.md (and ``plot(doc, path)`` where it draws one). ``options`` names the
+    command-line options its run takes; ``fixed`` what it is always given."""
+
+    name: str
+    module_name: str
+    options: tuple[str, ...] = ()
+    fixed: tuple[tuple[str, Any], ...] = ()
+
+    def module(self):
+        return importlib.import_module(self.module_name)
+
+
+_SERVING_OPTIONS = ("model", "rate", "num_requests", "repeats", "max_concurrency", "duration_s")
 SERVING_EXPERIMENTS = ("serving", "serving_video", "serving_audio", "serving_omni")
-EXPERIMENTS = ("handoff", "cold_start", "encoder_throughput", "gateway_overhead", "h2_abuse", *SERVING_EXPERIMENTS, "encoder_cache", "faults", "soak")
+# The registry, in the order the suite runs the experiments and the report shows them
+# (bench.__main__ runs them, bench.report renders them; both read them here, never each other).
+EXPERIMENTS: dict[str, Experiment] = {
+    e.name: e
+    for e in (
+        Experiment("handoff", "bench.handoff", ("iterations",)),
+        Experiment("cold_start", "bench.cold_start", ("repeats",)),
+        Experiment("encoder_throughput", "bench.encoder_throughput", ("repeats", "num_items")),
+        Experiment("gateway_overhead", "bench.gateway_overhead", ("num_requests",)),
+        Experiment("h2_abuse", "bench.h2_abuse"),
+        *(Experiment(name, "bench.serving", _SERVING_OPTIONS, (("experiment", name),)) for name in SERVING_EXPERIMENTS),
+        Experiment("encoder_cache", "bench.encoder_cache"),
+        Experiment("faults", "bench.faults"),
+        Experiment("soak", "bench.soak", ("num_requests",)),
+    )
+}
 SCHEMA_VERSION = 2  # 2: the vLLM encoder and EC connector (handoff, cold_start and serving changed)
 
 

@@ -57,6 +57,7 @@ from typing import Any
 import grpc
 
 from bench.common import RESULTS_DIR, progress, summarize, write_result
+from bench.formatting import fmt, machine
 from bench.workload import WorkloadSpec, build_requests, run_load, salted
 from cli.launcher import ServiceProcess, Stack, gateway_args, start_monolithic, start_shared_cache
 from epd.client import generate
@@ -257,3 +258,80 @@ def run(*, quick: bool = False, results_dir: pathlib.Path = RESULTS_DIR, command
         "results": results,
     }
     return write_result(NAME, payload, command=command, results_dir=results_dir)
+
+
+# ---- the report section ---------------------------------------------------------------------
+
+
+def report(doc: dict) -> list[str]:
+    tower = doc.get("vision_tower")
+    tokens = doc.get("image_tokens")
+    checkpoint = f"Checkpoint: `{pathlib.PurePath(doc['model']).name}`"
+    if tower and tokens:
+        checkpoint += (
+            f", a vision tower of {tower['depth']} blocks {tower['hidden_size']} wide (MLP {tower['intermediate_size']}) "
+            "in front of the tiny language model; "
+            f"images keep up to {tower['max_image_tokens']} tokens, here {tokens['min']:.0f}-{tokens['max']:.0f} (median {tokens['median']:.0f})."
+        )
+    else:
+        checkpoint += " (the tiny Qwen2.5-VL: its tower costs next to nothing)."
+    if "distinct_monolithic_answers" in doc and doc["results"]:
+        requests = doc["results"][0]["requests"]
+        checkpoint += f" The monolithic run gave {doc['distinct_monolithic_answers']} different answers to the {requests} requests."
+    lines = [
+        "## Encoder-output reuse: half the items repeat",
+        "",
+        f"Command: `{doc['command']}`  ",
+        f"Machine: {machine(doc)}  ",
+        f"{checkpoint}  ",
+        f"Every image is asked about twice, the second time {doc['repeat_after']} requests later with another question (one image, 8 output tokens per request), "
+        f"at most {doc['concurrency']} in flight, through one E/P/D gateway per arm over two encoders, one prefill and one decode (prefill and decode with `--no-caches`). "
+        "Tower runs: the items vLLM scheduled for the tower (`epd_encoder_batch_items`, both encoders); "
+        "cache hits: EPD's encoder-output cache; shared hits: those the shared tier served; "
+        "vLLM cache: the items neither served, which vLLM's own encoder cache in the encoder engine answered. "
+        "'No reuse', the baseline: EPD's cache off and every request's image sent as new bytes (the same pixels), so that no cache can answer "
+        "a repeat and every item is encoded each time it is sent. 'EPD cache off': EPD's cache off and the workload as it is, so vLLM's own "
+        "cache (2048 embeddings per encoder, not configurable through EPD) answers a repeat whose output is still resident. "
+        "Encode: the gateway's encode stage (decode, vLLM's processor, the tower or a cache hit, queueing). "
+        "TTFT first / repeat: the TTFT p50 of the requests that bring an image for the first time, and of those that bring it again. "
+        + ("Each arm's engines are warmed up first, on other bytes." if doc.get("warmed_up") else "No warm-up pass: the first arm also paid for warming the engines."),
+        "",
+        "| arm | requests | unique images | tower runs | cache hits | shared hits | vLLM cache | encode p50 ms "
+        "| TTFT p50 / p99 ms | TTFT p50 first / repeat ms | E2EL p50 / p99 ms | tokens equal monolithic | failed |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in doc["results"]:
+        encode = r.get("encode_ms")
+        lines.append(
+            f"| {r['arm']} | {r['requests']} | {r['unique_items']} | {r['tower_runs']:.0f} | {r['cache_hits']:.0f} | {fmt(r.get('shared_hits'), 0)} "
+            f"| {fmt(r.get('vllm_cache_answered'), 0)} | {fmt(encode['median'] if encode else None, 0)} "
+            f"| {fmt(r['ttft_ms']['median'], 0)} / {fmt(r['ttft_ms']['p99'], 0)} "
+            f"| {fmt(r.get('ttft_first_ms', {}).get('median'), 0)} / {fmt(r.get('ttft_repeat_ms', {}).get('median'), 0)} "
+            f"| {fmt(r['e2el_ms']['median'], 0)} / {fmt(r['e2el_ms']['p99'], 0)} "
+            f"| {r['tokens_equal_monolithic']} of {r['requests']} | {r['failed']} |"
+        )
+    by_arm = {r["arm"]: r for r in doc["results"]}
+    baseline, vllm_cache_only = "no reuse", "EPD cache off"  # the goal's baseline; a second one, not a cache
+    off = by_arm.get(baseline)
+    notes = []
+    met, missed = [], []
+    for arm, r in by_arm.items():
+        if arm == baseline or not (off and off["ttft_ms"]["median"]):
+            continue
+        ratio = r["ttft_ms"]["median"] / off["ttft_ms"]["median"]
+        notes.append(f"TTFT p50 of '{arm}': {ratio:.3f}x the '{baseline}' arm's.")
+        if arm == vllm_cache_only:
+            continue
+        ok = ratio <= 0.5 and r["tower_runs"] == r["unique_items"] and not r["failed"] and r["tokens_equal_monolithic"] == r["requests"]
+        (met if ok else missed).append(f"'{arm}'")
+    if vllm_cache_only in by_arm and (only := by_arm[vllm_cache_only]["ttft_ms"]["median"]):
+        against = ", ".join(f"'{arm}' {r['ttft_ms']['median'] / only:.3f}x" for arm, r in by_arm.items() if arm not in (baseline, vllm_cache_only))
+        notes.append(f"Against '{vllm_cache_only}' (vLLM's cache alone): {against}.")
+    notes.append(
+        f"Goals: TTFT p50 ≤ 0.5x the '{baseline}' arm's, and one tower run per unique image (with every request's tokens equal to monolithic)."
+    )
+    if off:
+        notes.append(f"Met by: {', '.join(met) or 'none'}; not by: {', '.join(missed) or 'none'}.")
+    if "shared tier, affinity" not in by_arm:
+        notes.append("This result predates the shared-tier arms (`epd shared-cache`): rerun the command for them.")
+    return [*lines, "", " ".join(notes), ""]

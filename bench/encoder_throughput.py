@@ -33,6 +33,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench.common import RESULTS_DIR, command_line, progress, summarize, write_result
+from bench.formatting import fmt, machine
 from bench.workload import salt_media
 
 NAME = "encoder_throughput"
@@ -286,3 +287,31 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+# ---- the report section ---------------------------------------------------------------------
+
+
+def report(doc: dict) -> list[str]:
+    cfg, results = doc["config"], doc["results"]
+    service, hf = results["vllm_service"], results["hf_tower"]
+    stages = ", ".join(f"{stage} {fmt(seconds, 3)} s" for stage, seconds in hf["stage_seconds_median"].items())
+    return [
+        "## Encoder throughput: vLLM's tower (encoder service) vs the HF tower",
+        "",
+        f"Command: `{doc['command']}`  ",
+        f"Machine: {machine(doc)}  ",
+        f"Checkpoint `{cfg['checkpoint']}`, {cfg['dtype']}; {cfg['num_items']} JPEGs of {cfg['image_edge_px'][0]}-{cfg['image_edge_px'][1]} px "
+        f"({min(cfg['embedding_rows'])}-{max(cfg['embedding_rows'])} embedding rows of {cfg['embedding_width']}); medians over {cfg['repeats']} passes.",
+        "",
+        "| encoder | items/s median | seconds per pass median | how |",
+        "| --- | --- | --- | --- |",
+        f"| vllm_service | {fmt(service['items_per_s']['median'])} | {fmt(service['seconds']['median'], 3)} | one Encode call per image over gRPC, all at once, "
+        f"leases released; {fmt(service['mean_batch_items'], 1)} items per engine step, mean Encode call {fmt(service['mean_encode_call_ms'], 1)} ms |",
+        f"| hf_tower | {fmt(hf['items_per_s']['median'])} | {fmt(hf['seconds']['median'], 3)} | in-process decode + HF processor + get_image_features, "
+        f"batches of {cfg['hf_batch_items']}, {hf['torch_threads']} torch threads; {stages} |",
+        "",
+        f"Ratio (vLLM service over HF tower, items/s): ×{fmt(doc['ratios']['vllm_service_over_hf_tower'], 3)}. "
+        f"Arena leases at the end: {service['arena_leases_at_end']:g}.",
+        "",
+    ]

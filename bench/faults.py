@@ -26,6 +26,7 @@ from typing import Any
 import grpc
 
 from bench.common import RESULTS_DIR, progress, summarize, write_result
+from bench.formatting import fmt, machine, resilience_gateway, seconds
 from bench.workload import Sent, closed_loop
 from cli.launcher import ServiceProcess, Stack, gateway_args
 from devkit.media import synthetic_image_png
@@ -198,3 +199,40 @@ def run(*, quick: bool = False, results_dir: pathlib.Path = RESULTS_DIR, command
 
     results = asyncio.run(experiment())
     return write_result(NAME, {"model": model, "concurrency": CONCURRENCY, "output_tokens": OUTPUT_TOKENS, "load_s": load_s, "results": results}, command=command, results_dir=results_dir)
+
+
+# ---- the report section ---------------------------------------------------------------------
+
+
+def report(doc: dict) -> list[str]:
+    lines = [
+        "## Faults: SIGKILL of one of two instances of a stage under steady load",
+        "",
+        f"Command: `{doc['command']}`  ",
+        f"Machine: {machine(doc)}  ",
+        f"Two encoders, two prefills and two decodes behind one E/P/D gateway ({resilience_gateway(doc)}); {doc['concurrency']} clients in a closed loop of one-image requests "
+        f"({doc['output_tokens']} output tokens), {doc['load_s']:.0f} s of load before the kill and again after the restart. "
+        "Gone: the kill until the instance's port refuses connections (its processes have exited, sockets last); eject: the kill until the gateway's "
+        "`epd_stage_instance_up` for the instance reads 0 (both polled every 50 ms); rejoin: the restarted process ready until it reads 1.",
+        "",
+        "| killed | requests | failed | in flight on it, ended | failed, started after the kill | first success after the kill s | gone s | eject s | rejoin s | tokens differing | late KV notifications | KV releases | KV-lease retries | E2EL p50 / p99 ms |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in doc["results"]:
+        lines.append(
+            f"| {r['stage']} | {r['requests']} | {r['failed']} | {r['ended_in_flight']} | {r['failed_started_after_kill']} | {seconds(r['first_success_after_kill_s'])} "
+            f"| {seconds(r.get('gone_s'))} | {seconds(r['eject_s'])} | {seconds(r.get('rejoin_s')) if 'rejoin_s' in r else 'n/a (not restarted)'} | {r['wrong_tokens']} "
+            f"| {fmt(r.get('late_kv_notifications'), 0)} | {fmt(r.get('kv_releases'), 0)} | {fmt(r.get('kv_lease_retries'), 0)} | {fmt(r['e2el_ms']['median'], 0)} / {fmt(r['e2el_ms']['p99'], 0)} |"
+        )
+    errors = "; ".join(f"{r['stage']}: {', '.join(r['errors'])}" for r in doc["results"] if r["errors"])
+    goals = (
+        "Goals: 0 failed for encoder and prefill; for decode, only streams in flight on it end (after their first token, so not retried) and 0 failures for requests started after the kill; "
+        "0 tokens differing (successful requests whose greedy tokens differ from the same request's answer on the idle deployment before the load; "
+        "`wrong_examples` in the result file says when each started and where it first differs); 0 late KV notifications "
+        "(`vllm:nixl_num_notifications_after_expiry_total`, over the prefills alive at the end: a decode's notice for KV its prefill no longer held, "
+        "such as a READ that ended after the lease had run out, when the blocks may hold another request's KV; in the decode run it can also be "
+        "harmless: the gateway's release of KV that the killed decode had read just before it died, before its first token). KV releases: the gateway's "
+        "`ReleaseKv` calls, over the decodes alive at the end, for requests that failed between prefill and a decode's answer. KV-lease retries: "
+        "requests run again because a decode refused a handoff whose lease was about to run out (`epd_gateway_retries_total{stage=kv_lease}`)."
+    )
+    return [*lines, "", goals + (f" Errors seen: {errors}." if errors else ""), ""]

@@ -57,6 +57,7 @@ import psutil
 
 from bench.common import RESULTS_DIR, progress, summarize, write_result
 from bench.compiled import build_go_stages, start_go, stop
+from bench.formatting import fmt, machine
 
 NAME = "gateway_overhead"
 MODEL_NAME = "qwen2_5_vl"  # a name only: the gateway reads no model file
@@ -202,3 +203,56 @@ def run(*, quick: bool = False, num_requests: int | None = None, results_dir: pa
 def _stop_process(process: multiprocessing.Process) -> None:
     process.kill()
     process.join(10)
+
+
+# ---- the report section ---------------------------------------------------------------------
+
+
+def report(doc: dict) -> list[str]:
+    latency, floor, added, ours = doc["latency_ms"], doc["direct_ms"], doc["added_ms"], doc["added_by_epd_ms"]
+    relay, relay_added, go_relay, go_relay_added = doc["relay_ms"], doc["relay_added_ms"], doc["go_relay_ms"], doc["go_relay_added_ms"]
+    goal = doc["goal_over_relay_p50_ms"]
+    cpu, relay_cpu = doc["cpu_ms_per_request"], doc["relay_cpu_ms_per_request"]
+    return [
+        "## Gateway overhead, alone: the real gateway against stand-in stages that answer at once",
+        "",
+        f"Command: `{doc['command']}`  ",
+        f"Machine: {machine(doc)}  ",
+        f"{doc['requests']} sequential E/P/D requests of one 224 px PNG and {doc['output_tokens']} output tokens (one per streamed message), "
+        "after a warm-up. The stand-in encoder, prefill and decode do no work and are compiled (grpc-go, `bench/go_stages`), so a call to one "
+        "costs next to nothing, and so is the client that times every path (`go_stages -role client`): every millisecond is the gateway's and its "
+        "three hops'. The bare relays make the same three calls from their own process and relay the decode's stream message by message, with "
+        "none of EPD's other work (no validation, hashing, routing, retries, spans or metrics): the grpc.aio one is the floor the gateway's runtime "
+        "sets for this hop shape; the grpc-go one (`bench/go_stages/relay.go`, the stages' real protocol, which the serving experiments also run "
+        "against real stages) what a compiled gRPC runtime costs for it, a measuring instrument. The paths take turns request by request. "
+        "The gateway merges deltas its client has not read yet into one message (`gateway/run.py`), so against stand-ins that stream at once "
+        "it may send fewer messages than the relays, and EPD's own work can come out below zero.",
+        "",
+        "| measure | median ms | p99 ms |",
+        "| --- | --- | --- |",
+        f"| Generate through the gateway | {fmt(latency['median'])} | {fmt(latency['p99'])} |",
+        f"| the same request through the bare grpc.aio relay | {fmt(relay['median'])} | {fmt(relay['p99'])} |",
+        f"| the same request through the bare grpc-go relay | {fmt(go_relay['median'])} | {fmt(go_relay['p99'])} |",
+        f"| floor: the same tokens streamed straight from the stand-in decode (one hop) | {fmt(floor['median'])} | {fmt(floor['p99'])} |",
+        f"| added by the gateway (per request, gateway minus floor) | {fmt(added['median'])} | {fmt(added['p99'])} |",
+        f"| of which EPD's own work (per request, gateway minus grpc.aio relay) | {fmt(ours['median'])} | {fmt(ours['p99'])} |",
+        f"| added by the bare grpc.aio relay (relay minus floor) | {fmt(relay_added['median'])} | {fmt(relay_added['p99'])} |",
+        f"| added by the bare grpc-go relay (relay minus floor) | {fmt(go_relay_added['median'])} | {fmt(go_relay_added['p99'])} |",
+        "",
+        "Where the added time goes (medians, ms): at the first token (the per-request work and the three hops, what TTFT grows by), and per "
+        f"later token (relaying one more streamed message; {doc['output_tokens'] - 1} here), so any output length costs the first plus that many "
+        "times the second.",
+        "",
+        "| path | added at the first token | added per later token |",
+        "| --- | --- | --- |",
+        *(
+            f"| {path} | {fmt(doc[prefix + 'first_token_added_ms']['median'])} | {fmt(doc[prefix + 'per_token_added_ms']['median'], 3)} |"
+            for path, prefix in (("the gateway", ""), ("bare grpc.aio relay", "relay_"), ("bare grpc-go relay", "go_relay_"))
+        ),
+        "",
+        f"CPU per request (user + system, all threads): gateway {fmt(cpu)} ms, grpc.aio relay {fmt(relay_cpu)} ms, grpc-go relay "
+        f"{fmt(doc['go_relay_cpu_ms_per_request'])} ms. "
+        f"Goals: EPD's own work ≤ {fmt(goal, 1)} ms p50 over the grpc.aio relay: {fmt(ours['median'])} ms, {'met' if ours['median'] <= goal else 'not met'}; "
+        f"CPU per request ≤ the grpc.aio relay's: {'met' if cpu <= relay_cpu else 'not met'}.",
+        "",
+    ]

@@ -41,6 +41,7 @@ import time
 from typing import Any
 
 from bench.common import RESULTS_DIR, progress, summarize, write_result
+from bench.formatting import fmt, machine
 
 NAME = "h2_abuse"
 ATTACKS = ("rapid_reset", "ping_flood", "settings_flood", "continuation_flood", "idle_connections", "slowloris")
@@ -450,3 +451,39 @@ def main(argv: list[str] | None = None) -> int:
 if __name__ == "__main__":
     os.environ.setdefault("PYTHONUNBUFFERED", "1")
     raise SystemExit(main())
+
+
+# ---- the report section ---------------------------------------------------------------------
+
+
+def report(doc: dict) -> list[str]:
+    goals = doc["goals"]
+    lines = [
+        "## HTTP/2 abuse of the gateway's public port",
+        "",
+        f"Command: `{doc['command']}`  ",
+        f"Machine: {machine(doc)}  ",
+        f"One hostile client at a time for {doc['attack_s']:g} s (raw frames from its own process, `bench/h2_abuse.py`), while legitimate "
+        f"one-image Generate calls arrive at {doc['legit_per_s']:g}/s, each on a new connection, with a {doc['legit_timeout_s']:g} s deadline. "
+        "The gateway stands in front of compiled stand-in stages that answer at once. RSS is the gateway process's: before the attack, its peak "
+        "during it, and once settled afterwards; after: legitimate calls once the attack has ended.",
+        "",
+        "| attack | attacker sent | legitimate calls ok | p50 / p99 ms | RSS before / peak / after MiB | gateway CPU s | after | goals |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in doc["results"]:
+        sent = r["attacker"]
+        ms = r["legit_ms"]
+        lines.append(
+            f"| {r['attack']} | {sent.get('frames', 0)} frames on {sent.get('connections', 0)} connections ({sent.get('closed_by_server', 0)} closed by the gateway) "
+            f"| {r['legit_ok']} / {r['legit_sent']} | {fmt(ms['median'], 1) if ms else 'n/a'} / {fmt(ms['p99'], 1) if ms else 'n/a'} "
+            f"| {fmt(r['rss_baseline_mib'], 0)} / {fmt(r['rss_peak_mib'], 0)} / {fmt(r['rss_after_mib'], 0)} | {fmt(r['cpu_s'], 1)} "
+            f"| {r['after_ok']} / {r['after_sent']} | {'met' if r['met'] else 'NOT MET'} |"
+        )
+    lines += [
+        "",
+        f"Goals, per attack: at least {goals['success'] * 100:g} % of the legitimate calls sent during it succeed; RSS grows at most "
+        f"{goals['growth_mib']:g} MiB and comes back within {goals['left_mib']:g} MiB of where it was; every call afterwards succeeds.",
+        "",
+    ]
+    return lines

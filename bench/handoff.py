@@ -69,6 +69,7 @@ import numpy as np
 import torch
 
 from bench.common import RESULTS_DIR, command_line, plot_lines, progress, summarize, write_result
+from bench.formatting import KIB, MIB, fmt, machine, size
 from epd.domain import NixlLocation
 from epd.server import CLIENT_OPTIONS, GRPC_OPTIONS, MAX_MESSAGE_BYTES
 from epd.transport.connector.ec_config import ConnectorConfig
@@ -83,8 +84,6 @@ from epd.transport.wire.location import decode_descriptors
 from epd.transport.wire.nixl import NixlPublisher, NixlReader
 from epd.v1 import encoder_pb2, encoder_pb2_grpc, multimodal_pb2
 
-KIB = 1024
-MIB = 1024 * KIB
 FULL_SIZES = [KIB * 4**i for i in range(9)]  # 1 KiB, 4 KiB, ... 64 MiB
 QUICK_SIZES = [KIB, 64 * KIB, MIB]
 BATCHES = [(64, 16 * KIB), (256, 4 * KIB)]  # (items, bytes per item)
@@ -885,3 +884,47 @@ def main(argv: Sequence[str] | None = None) -> None:
 
 if __name__ == "__main__":
     main()
+
+
+# ---- the report section ---------------------------------------------------------------------
+
+
+def report(doc: dict) -> list[str]:
+    cfg = doc["config"]
+    lines = [
+        "## Embedding handoff: encoder arena to consumer encoder cache",
+        "",
+        f"Command: `{doc['command']}`  ",
+        f"Machine: {machine(doc)}  ",
+        f"Per item, from the consumer's first call until the rows are usable as a tensor ({cfg['dtype']} rows; NIXL READs also move the "
+        f"{cfg['slot_header_bytes']}-byte slot header). ec_consumer: ConsumerScheduler as vLLM's scheduler drives it; nixl_reader: NixlReader alone; "
+        "raw_read: one NIXL READ through the agent; grpc_inline: the rows inline in an EncodeResponse, copied into a buffer; "
+        "memcpy: an in-process copy (memcpy_fresh: from a different region each time). UCX: " + f"{cfg['ucx_tls']}; torch threads {cfg['torch_threads']}.",
+        "",
+        "| method | size | median µs | p99 µs | GB/s | samples |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in doc["results"]:
+        lines.append(f"| {r['method']} | {size(r['bytes'])} | {fmt(r['latency_us']['median'], 1)} | {fmt(r['latency_us']['p99'], 1)} | {fmt(r['gb_per_s'], 3)} | {r['latency_us']['count']} |")
+    lines += ["", "Goals:", ""]
+    lines += [f"- {g['goal']}: ×{fmt(g['value'], 3)} ({'met' if g['met'] else 'NOT met'})" for g in doc["goals"]]
+    lines += ["", "Throughput ratios and fixed cost:", ""]
+    ratios = doc["ratios"]
+    for key, label in (
+        ("ec_consumer_over_memcpy", "ec_consumer throughput over memcpy's"),
+        ("ec_consumer_over_memcpy_fresh", "ec_consumer over memcpy_fresh"),
+        ("raw_read_over_memcpy", "raw_read over memcpy (what NIXL itself reaches)"),
+    ):
+        lines.append(f"- {label}: " + ", ".join(f"{size(int(n))} ×{fmt(v, 3)}" for n, v in ratios[key].items()))
+    lines.append(
+        "- Fixed cost over a raw READ (median µs, ec_consumer / nixl_reader): "
+        + ", ".join(f"{size(int(n))} {fmt(c['ec_consumer_minus_raw_read_us'], 1)} / {fmt(c['nixl_reader_minus_raw_read_us'], 1)}" for n, c in doc["fixed_cost_us"].items())
+    )
+    lines += ["", "| batched | items x size | one transfer median µs | one per item median µs | speedup |", "| --- | --- | --- | --- | --- |"]
+    for b in doc["batched"]:
+        lines.append(
+            f"| {b['method']} | {b['items']} x {size(b['item_bytes'])} | {fmt(b['one_transfer_us']['median'], 1)} | {fmt(b['per_item_transfers_us']['median'], 1)} | ×{fmt(b['speedup'])} |"
+        )
+    first = ", ".join(f"{k} {fmt(v, 1)} ms" for k, v in doc["first_contact_ms"].items())
+    skipped = "".join(f" Not measured: {s['method']} at {size(s['bytes'])} ({s['reason']})." for s in cfg.get("skipped", []))
+    return [*lines, "", f"First contact (excluded above): {first}. Leases left at the end: {cfg['leases_left']}.{skipped}", ""]

@@ -44,6 +44,7 @@ import time
 
 from bench.common import RESULTS_DIR, command_line, progress, write_result
 from bench.compiled import GoRelay, go_relay
+from bench.formatting import MIB, fmt, machine
 from bench.workload import STAGES, WorkloadSpec, build_requests, run_load, salted
 from cli.launcher import ServiceProcess, Stack, gateway_args, start_monolithic
 from epd.telemetry import scrape
@@ -335,3 +336,146 @@ def run(
     if not state["drained"]:
         progress(f"{experiment}: NOT back to zero at the end: {state}")
     return write_result(experiment, build_payload(runs, config, state, resources), command=command or command_line(), results_dir=results_dir)
+
+
+# ---- the report section ---------------------------------------------------------------------
+
+
+_MEDIA = {
+    "image": lambda w: f"JPEG images ({w['image_edge_px'][0]}-{w['image_edge_px'][1]} px)",
+    "video": lambda w: f"MP4 clips at 10 fps ({w['clip_seconds'][0]:g}-{w['clip_seconds'][1]:g} s, {w['video_edge_px'][0]}-{w['video_edge_px'][1]} px)",
+    "audio": lambda w: f"16 kHz WAV clips ({w['clip_seconds'][0]:g}-{w['clip_seconds'][1]:g} s)",
+}
+
+
+# Issue 9's goal for the gateway's own overhead in the serving benchmark.
+GATEWAY_SHARE_GOAL_PERCENT = 3
+
+
+def report(doc: dict) -> list[str]:
+    cfg, summary, ratios = doc["config"], doc["summary"], doc["ratios"]
+    w = cfg["workload"]
+    family = f", {cfg['family']}" if cfg.get("family") else ""
+    lines = [
+        f"## Serving ({w['modality']}{family}): metadata-only vs media forwarding, and topologies",
+        "",
+        f"Command: `{doc['command']}`  ",
+        f"Machine: {machine(doc)}  ",
+        f"Model: `{cfg['model']}`; {w['num_requests']} requests of {w['items_per_request'][0]}-{w['items_per_request'][1]} "
+        f"{_MEDIA[w['modality']](w)} and {w['max_tokens']} output tokens each, "
+        f"seed {cfg['workload']['seed']}; Poisson at {cfg['rate']} req/s and a saturation run (all at once); medians over {cfg['repeats']} repeats; "
+        f"engine prefix and multimodal caches {cfg['caches']}.",
+        "",
+        "| arm | load | req/s | output tok/s | TTFT median ms | TPOT median ms | E2EL mean ms | E2EL p99 ms | encode / prefill / decode median ms | gateway overhead p50 / p99 ms | tokens = monolithic |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for arm, loads in summary.items():
+        for load, s in loads.items():
+            stages = " / ".join(fmt(s["stage_ms_median"][k], 1) for k in ("encode", "prefill", "decode"))
+            lines.append(
+                f"| {arm} | {load} | {fmt(s['request_throughput'])} | {fmt(s['output_throughput'], 1)} | {fmt(s['ttft_ms_median'], 1)} | {fmt(s['tpot_ms_median'], 1)} "
+                f"| {fmt(s['e2el_ms_mean'], 1)} | {fmt(s['e2el_ms_p99'], 1)} | {stages} | {fmt(s['gateway_overhead_ms_median'], 1)} / {fmt(s['gateway_overhead_ms_p99'], 1)} "
+                f"| {'yes' if doc['outputs_identical_to_monolithic'][arm] else 'NO'} |"
+            )
+    ab = ratios["metadata_only_over_media_forwarding"]
+    lines += ["", "Ratios (metadata-only / media forwarding; throughput > 1 and latency < 1 favour metadata-only):", ""]
+    for load, r in ab.items():
+        lines.append(f"- {load}: request throughput ×{fmt(r['request_throughput'], 3)}, mean E2EL ×{fmt(r['e2el_mean'], 3)}, median TTFT ×{fmt(r['ttft_median'], 3)}")
+    lines += ["", _ab_analysis(summary, ab), ""]
+    shares = [
+        f"{arm} {load} {s['gateway_overhead_ms_median'] / s['e2el_ms_median'] * 100:.1f} %"
+        for arm, loads in summary.items()
+        if arm != "monolithic"
+        for load, s in loads.items()
+    ]
+    lines += [f"Gateway overhead over E2EL (medians; goal ≤ {GATEWAY_SHARE_GOAL_PERCENT:g} %): " + ", ".join(shares) + ".", ""]
+    if "epd-go-relay" in summary:
+        relay = summary["epd-go-relay"]
+        gateways = [arm for arm in ("epd",) if arm in summary]
+        lines += [
+            "epd-go-relay sends the epd arm's requests through the same stages by way of EPD's data path alone, compiled "
+            "(`bench/go_stages/relay.go`: no routing, retries, validation, spans or metrics; a measuring instrument, not a gateway). "
+            "The relay's overhead is what remains with a compiled data path: the client sending the media and reading the stream, "
+            "and the hops. The gateway's overhead over it, medians: "
+            + "; ".join(
+                f"{arm} " + ", ".join(f"{load} {fmt(summary[arm][load]['gateway_overhead_ms_median'] - relay[load]['gateway_overhead_ms_median'], 1)} ms" for load in ("poisson", "saturation"))
+                for arm in gateways
+            )
+            + "; saturation throughput over the relay's: "
+            + ", ".join(f"{arm} ×{fmt(summary[arm]['saturation']['request_throughput'] / relay['saturation']['request_throughput'], 3)}" for arm in gateways)
+            + ".",
+            "",
+        ]
+    inside = [
+        f"{arm} {load} {fmt(s['gateway_own_ms_median'], 2)} ms"
+        for arm, loads in summary.items()
+        if arm != "monolithic"
+        for load, s in loads.items()
+        if "gateway_own_ms_median" in s  # runs recorded before it was
+    ]
+    if inside:
+        lines += [
+            "Of that overhead, the gateway's own time (parsing and hashing, routing: its Finished timings' total minus the stage "
+            "calls; the rest is the client's hop to it, which carries the media, and the client's reading), medians: " + ", ".join(inside) + ".",
+            "",
+        ]
+    lines += ["Topologies over monolithic:", ""]
+    for arm, loads in ratios["topologies_over_monolithic"].items():
+        parts = ", ".join(f"{load}: throughput ×{fmt(r['request_throughput'], 3)}, mean E2EL ×{fmt(r['e2el_mean'], 3)}" for load, r in loads.items())
+        lines.append(f"- {arm}: {parts}")
+    end = doc["end_state"]
+    encoder = end["encoder"]
+    lines += [
+        "",
+        f"End state ({'all back to zero' if end['drained'] else 'NOT back to zero'}): {end['arena_leases']:g} arena leases; "
+        "failed embedding loads: " + ", ".join(f"{name} {c['embedding_load_failures']:g}" for name, c in end["consumers"].items()) + "; "
+        "engines (KV cache usage, requests running, waiting): "
+        + ", ".join(f"{name} {e['kv_cache_usage']:g}/{e['requests_running']:g}/{e['requests_waiting']:g}" for name, e in end["engines"].items())
+        + ".  ",
+        "Embeddings loaded (MiB over NIXL / inline; items still held for vLLM's encoder cache): "
+        + ", ".join(
+            f"{name} {c['nixl_bytes_loaded'] / MIB:.1f} / {c['inline_bytes_loaded'] / MIB:.1f}; {c['receive_buffer_items']:g}" for name, c in end["consumers"].items()
+        )
+        + f".  \nEncoder: {encoder['items_encoded']:g} items in {encoder['engine_steps']:g} engine steps ({fmt(encoder['mean_items_per_step'], 2)} items per step).  ",
+        "Peak RSS (MiB, process tree): " + ", ".join(f"{name} {r['peak_rss_mib']:g}" for name, r in doc["resources"].items()) + ".",
+        "",
+    ]
+    return lines
+
+
+def _ab_analysis(summary: dict, ab: dict) -> str:
+    """Says plainly whether metadata-only won here, and which stage decides it."""
+    r = ab["saturation"]["request_throughput"]
+    forward, meta = summary["epd-forward-media"]["saturation"], summary["epd"]["saturation"]
+    stages_f, stages_m = forward["stage_ms_median"], meta["stage_ms_median"]
+    dominant = max(stages_m, key=lambda stage: stages_m[stage])
+    text = (
+        f"{'Metadata-only is faster here' if r > 1 else 'Metadata-only is NOT faster here'} (saturation throughput ×{fmt(r, 3)}). "
+        f"Media forwarding re-decodes and re-processes every item in prefill and decode: at saturation their medians are "
+        f"{fmt(stages_f['prefill'], 1)} vs {fmt(stages_m['prefill'], 1)} ms (prefill) and {fmt(stages_f['decode'], 1)} vs {fmt(stages_m['decode'], 1)} ms "
+        f"(decode), forwarding vs metadata-only. The {dominant} stage dominates metadata-only E/P/D "
+        f"({fmt(stages_m[dominant], 1)} of {fmt(meta['e2el_ms_median'], 1)} ms median E2EL)."
+    )
+    if r <= 1:
+        text += f" So on this machine the processor re-run is small next to {dominant}, and the difference is within the noise."
+    return text
+
+
+def plot(doc: dict, path: pathlib.Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    arms = list(doc["summary"])
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    for ax, key, label in zip(axes, ("request_throughput", "e2el_ms_mean", "ttft_ms_median"), ("requests/s", "mean E2EL (ms)", "median TTFT (ms)"), strict=True):
+        for offset, load in ((-0.2, "poisson"), (0.2, "saturation")):
+            ax.bar([i + offset for i in range(len(arms))], [doc["summary"][a][load][key] for a in arms], width=0.4, label=load)
+        ax.set_xticks(range(len(arms)), arms, rotation=20)
+        ax.set_title(label)
+    axes[0].legend()
+    fig.suptitle(f"Serving ({doc['config']['workload']['modality']}): medians over repeats")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -23,6 +23,7 @@ import grpc
 import psutil
 
 from bench.common import RESULTS_DIR, progress, summarize, write_result
+from bench.formatting import fmt, machine, resilience_gateway
 from bench.workload import Sent, closed_loop
 from cli.launcher import ServiceProcess, Stack, gateway_args
 from devkit.media import synthetic_image_png
@@ -129,3 +130,30 @@ def run(*, quick: bool = False, num_requests: int | None = None, results_dir: pa
     }
     progress(f"{NAME}: {payload['lost']} of {len(log)} lost; growth MiB/request " + ", ".join(f"{k} {v:.3f}" for k, v in growth.items()))
     return write_result(NAME, payload, command=command, results_dir=results_dir)
+
+
+# ---- the report section ---------------------------------------------------------------------
+
+
+def report(doc: dict) -> list[str]:
+    services = [k for k in doc["rss_mib"][0] if k != "requests"]
+    lines = [
+        "## Soak: requests at steady concurrency, nothing lost, nothing growing",
+        "",
+        f"Command: `{doc['command']}`  ",
+        f"Machine: {machine(doc)}  ",
+        f"{doc['requests']} one-image E/P/D requests ({doc['output_tokens']} output tokens) through the {resilience_gateway(doc)} gateway "
+        f"at concurrency {doc['concurrency']} in {doc['duration_s']:.0f} s. "
+        f"Lost: {doc['lost']}{' (' + ', '.join(doc['errors']) + ')' if doc['errors'] else ''}. "
+        f"E2EL p50 {fmt(doc['e2el_ms']['median'], 0)} ms, p99 {fmt(doc['e2el_ms']['p99'], 0)} ms; TTFT p50 {fmt(doc['ttft_ms']['median'], 0)} ms, p99 {fmt(doc['ttft_ms']['p99'], 0)} ms.",
+        "",
+        "RSS of each service's process tree (MiB), by requests completed:",
+        "",
+        "| requests | " + " | ".join(services) + " |",
+        "| --- | " + " | ".join("---" for _ in services) + " |",
+    ]
+    for sample in doc["rss_mib"]:
+        lines.append(f"| {sample['requests']} | " + " | ".join(f"{sample[s]:.0f}" for s in services) + " |")
+    growth = ", ".join(f"{k} {v * 1024:.1f} KiB" for k, v in doc["rss_growth_mib_per_request_after_warmup"].items())
+    end = ", ".join(f"{k} {v:g}" for k, v in doc["end_state"].items())
+    return [*lines, "", f"Growth per request after the first sample: {growth}. After the load drained: {end}.", ""]

@@ -1,0 +1,28 @@
+"""What every experiment's report section shares: numbers, sizes and the machine, worded alike."""
+
+from __future__ import annotations
+
+KIB, MIB = 1024, 1024 * 1024
+
+
+def size(nbytes: int) -> str:
+    return f"{nbytes // MIB} MiB" if nbytes >= MIB else f"{nbytes // KIB} KiB" if nbytes >= KIB else f"{nbytes} B"
+
+
+def fmt(value: float, digits: int = 2) -> str:
+    return f"{value:.{digits}f}" if isinstance(value, (int, float)) and value == value else "n/a"
+
+
+def machine(doc: dict) -> str:
+    m = doc["machine"]
+    return f"{m['cpu']}, {m['cores']} cores, {m['memory_gib']} GiB, GPU: {m['gpu']}; torch {m['torch']}, Python {m['python']}"
+
+
+def seconds(value) -> str:
+    return "never" if value is None else f"{value:.2f}"
+
+
+def resilience_gateway(doc: dict) -> str:
+    """Which gateway a fault or soak run put under load: results recorded while a compiled
+    gateway existed name it; every run since is the Python one."""
+    return {"go": "compiled", "python": "Python"}[doc.get("gateway_impl", "python")]
