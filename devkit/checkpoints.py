@@ -823,11 +823,9 @@ def _write_tokenizer_files(out: pathlib.Path, tokenizer: tokenizers.Tokenizer, s
     _write_text(out / "chat_template.jinja", spec.chat_template)
 
 
-def _build_config(family: str, spec: _Family, sizes: _Scale, *, vocab_size: int, token_ids: Mapping[str, int]) -> PreTrainedConfig:
-    """Builds the transformers model config (``Qwen2_5_VLConfig`` or ``Qwen3VLConfig``)."""
-    import transformers
-
-    text_config: dict[str, Any] = {
+def _text_config(sizes: _Scale, vocab_size: int) -> dict[str, Any]:
+    """What every family's tiny language model shares."""
+    return {
         "vocab_size": vocab_size,
         "hidden_size": sizes.text_hidden,
         "intermediate_size": sizes.text_intermediate,
@@ -837,11 +835,13 @@ def _build_config(family: str, spec: _Family, sizes: _Scale, *, vocab_size: int,
         "max_position_embeddings": _MAX_POSITIONS,
         "rms_norm_eps": 1e-6,
         "initializer_range": _TEXT_INIT_STD,
-        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta, "mrope_section": _MROPE_SECTION},
-        "pad_token_id": token_ids["<|endoftext|>"],
-        "dtype": "float32",
     }
-    vision_config: dict[str, Any] = {
+
+
+def _qwen_vision_config(spec: _Family, sizes: _Scale) -> dict[str, Any]:
+    """The Qwen-VL line's vision tower (Qwen2.5-VL, Qwen3-VL and the Omni thinkers'), before each
+    family's own fields."""
+    return {
         "depth": sizes.vision_depth,
         "hidden_size": sizes.vision_hidden,
         "intermediate_size": sizes.vision_intermediate,
@@ -852,6 +852,29 @@ def _build_config(family: str, spec: _Family, sizes: _Scale, *, vocab_size: int,
         "temporal_patch_size": _TEMPORAL_PATCH,
         "initializer_range": sizes.vision_init_std,
     }
+
+
+# A narrow Whisper-style audio tower (Qwen2-Audio's and the Omni thinkers' field names).
+_WHISPER_AUDIO_CONFIG: dict[str, Any] = {
+    "d_model": _AUDIO_D_MODEL,
+    "encoder_layers": _AUDIO_LAYERS,
+    "encoder_attention_heads": _AUDIO_HEADS,
+    "encoder_ffn_dim": _AUDIO_FFN,
+    "num_mel_bins": _AUDIO_MEL_BINS,
+    "max_source_positions": _AUDIO_MAX_SOURCE_POSITIONS,
+}
+
+
+def _build_config(family: str, spec: _Family, sizes: _Scale, *, vocab_size: int, token_ids: Mapping[str, int]) -> PreTrainedConfig:
+    """Builds the transformers model config (``Qwen2_5_VLConfig`` or ``Qwen3VLConfig``)."""
+    import transformers
+
+    text_config: dict[str, Any] = _text_config(sizes, vocab_size) | {
+        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta, "mrope_section": _MROPE_SECTION},
+        "pad_token_id": token_ids["<|endoftext|>"],
+        "dtype": "float32",
+    }
+    vision_config = _qwen_vision_config(spec, sizes)
     if family == "qwen2_5_vl":
         config_class = transformers.Qwen2_5_VLConfig
         text_config |= {
@@ -891,16 +914,7 @@ def _build_audio_config(family: str, spec: _AudioFamily, sizes: _Scale, *, vocab
     Whisper-style tower, a Qwen2 LM."""
     import transformers
 
-    text_config: dict[str, Any] = {
-        "vocab_size": vocab_size,
-        "hidden_size": sizes.text_hidden,
-        "intermediate_size": sizes.text_intermediate,
-        "num_hidden_layers": sizes.text_layers,
-        "num_attention_heads": sizes.text_heads,
-        "num_key_value_heads": sizes.text_kv_heads,
-        "max_position_embeddings": _MAX_POSITIONS,
-        "rms_norm_eps": 1e-6,
-        "initializer_range": _TEXT_INIT_STD,
+    text_config: dict[str, Any] = _text_config(sizes, vocab_size) | {
         "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
         "tie_word_embeddings": False,
         "bos_token_id": token_ids["<|endoftext|>"],
@@ -908,13 +922,7 @@ def _build_audio_config(family: str, spec: _AudioFamily, sizes: _Scale, *, vocab
         "pad_token_id": token_ids["<|endoftext|>"],
         "dtype": "float32",
     }
-    audio_config: dict[str, Any] = {
-        "d_model": _AUDIO_D_MODEL,
-        "encoder_layers": _AUDIO_LAYERS,
-        "encoder_attention_heads": _AUDIO_HEADS,
-        "encoder_ffn_dim": _AUDIO_FFN,
-        "num_mel_bins": _AUDIO_MEL_BINS,
-        "max_source_positions": _AUDIO_MAX_SOURCE_POSITIONS,
+    audio_config: dict[str, Any] = _WHISPER_AUDIO_CONFIG | {
         "initializer_range": _AUDIO_INIT_STD,
     }
     if family == "audioflamingo3":
@@ -960,16 +968,7 @@ def _build_omni_config(
     import transformers
 
     attributes = dict(spec.token_attributes)
-    text_config: dict[str, Any] = {
-        "vocab_size": vocab_size,
-        "hidden_size": sizes.text_hidden,
-        "intermediate_size": sizes.text_intermediate,
-        "num_hidden_layers": sizes.text_layers,
-        "num_attention_heads": sizes.text_heads,
-        "num_key_value_heads": sizes.text_kv_heads,
-        "max_position_embeddings": _MAX_POSITIONS,
-        "rms_norm_eps": 1e-6,
-        "initializer_range": _TEXT_INIT_STD,
+    text_config: dict[str, Any] = _text_config(sizes, vocab_size) | {
         "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta, "mrope_section": _MROPE_SECTION},
         # Qwen2.5-Omni's text config defaults to tied embeddings; the released thinker (and
         # vLLM's loader, which would then drop lm_head) must see them untied.
@@ -979,24 +978,8 @@ def _build_omni_config(
         "eos_token_id": token_ids["<|im_end|>"],
         "dtype": "float32",
     }
-    vision_config: dict[str, Any] = {
-        "depth": sizes.vision_depth,
-        "hidden_size": sizes.vision_hidden,
-        "intermediate_size": sizes.vision_intermediate,
-        "num_heads": sizes.vision_heads,
-        "out_hidden_size": sizes.text_hidden,
-        "patch_size": spec.patch_size,
-        "spatial_merge_size": _SPATIAL_MERGE,
-        "temporal_patch_size": _TEMPORAL_PATCH,
-        "initializer_range": sizes.vision_init_std,
-    }
-    audio_config: dict[str, Any] = {
-        "d_model": _AUDIO_D_MODEL,
-        "encoder_layers": _AUDIO_LAYERS,
-        "encoder_attention_heads": _AUDIO_HEADS,
-        "encoder_ffn_dim": _AUDIO_FFN,
-        "num_mel_bins": _AUDIO_MEL_BINS,
-        "max_source_positions": _AUDIO_MAX_SOURCE_POSITIONS,
+    vision_config = _qwen_vision_config(spec, sizes)
+    audio_config: dict[str, Any] = _WHISPER_AUDIO_CONFIG | {
         "output_dim": sizes.text_hidden,
         "initializer_range": _AUDIO_INIT_STD,
     }
