@@ -70,6 +70,7 @@ import torch
 
 from bench.common import RESULTS_DIR, command_line, plot_lines, progress, summarize, write_result
 from bench.formatting import KIB, MIB, fmt, machine, size
+from devkit.vllm_requests import Feature, Position, Request, SchedulerOutput
 from epd.domain import NixlLocation
 from epd.server import CLIENT_OPTIONS, GRPC_OPTIONS, MAX_MESSAGE_BYTES
 from epd.transport.connector.ec_config import ConnectorConfig
@@ -341,32 +342,6 @@ class _Peer:
 # --- The consumer: the fields of vLLM's objects that ConsumerScheduler reads ---------------------
 
 
-@dataclasses.dataclass
-class _Position:
-    embeds: int
-
-    def get_num_embeds(self) -> int:
-        return self.embeds
-
-
-@dataclasses.dataclass
-class _Feature:
-    identifier: str
-    mm_position: _Position
-
-
-@dataclasses.dataclass
-class _Request:
-    request_id: str
-    mm_features: list[_Feature]
-    ec_transfer_params: Any
-
-
-@dataclasses.dataclass
-class _SchedulerOutput:
-    free_encoder_mm_hashes: list[str] = dataclasses.field(default_factory=list)
-
-
 def _elapsed_us(started_ns: int) -> float:
     return (time.perf_counter_ns() - started_ns) / 1000
 
@@ -403,7 +378,7 @@ class _Consumers:
         registration = self.raw_agent.register(self.raw_buffer)
         self._cleanup.callback(self.raw_agent.deregister, registration)
         self._requests: Iterator[int] = itertools.count()
-        self._pending_release: tuple[_Request, list[str]] | None = None
+        self._pending_release: tuple[Request, list[str]] | None = None
         self.fetch: dict[str, Fetch] = {"ec_consumer": self.ec_consumer, "nixl_reader": self.nixl_reader, "raw_read": self.raw_read}
 
     def close(self) -> None:
@@ -423,7 +398,7 @@ class _Consumers:
         rows, width = item_shape(nbytes)
         hashes = [location.lease_id for location in locations]  # unique per publish
         params = expected_to_params({h: ExpectedItem(rows, width, _DTYPE, location) for h, location in zip(hashes, locations, strict=True)})
-        request = _Request(f"bench-{next(self._requests)}", [_Feature(h, _Position(rows)) for h in hashes], params)
+        request = Request(f"bench-{next(self._requests)}", [Feature(h, Position(rows)) for h in hashes], params)
         consumer = self.consumer
         started = time.perf_counter_ns()
         deadline = time.monotonic() + _FETCH_TIMEOUT_S
@@ -432,7 +407,7 @@ class _Consumers:
                 raise HandoffMismatchError(f"ec_consumer: request {request.request_id} could not load its items (the consumer logged why)")
         for index in range(len(hashes)):
             consumer.update_state_after_alloc(request, index)
-        installs = consumer.build_installs(_SchedulerOutput())
+        installs = consumer.build_installs(SchedulerOutput())
         views = [_rows_view(self.receive, install.offset, install.rows, install.width) for install in installs]
         elapsed = _elapsed_us(started)
         if [install.mm_hash for install in installs] != hashes:
@@ -447,8 +422,8 @@ class _Consumers:
         request, hashes = self._pending_release
         self._pending_release = None
         self.consumer.request_finished(request)
-        self.consumer.build_installs(_SchedulerOutput(hashes))
-        self.consumer.build_installs(_SchedulerOutput())
+        self.consumer.build_installs(SchedulerOutput(hashes))
+        self.consumer.build_installs(SchedulerOutput())
 
     def nixl_reader(self, locations: Sequence[NixlLocation], nbytes: int) -> tuple[float, list[torch.Tensor]]:
         rows, width = item_shape(nbytes)

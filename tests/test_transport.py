@@ -22,6 +22,7 @@ import pytest
 import torch
 from nixl import _bindings as nixlb
 
+from devkit.vllm_requests import Feature, Position, Request, SchedulerOutput
 from epd import wire
 from epd.domain import InlineEmbedding, NixlLocation
 from epd.errors import InvalidArgument
@@ -465,39 +466,6 @@ def test_a_producer_whose_metadata_nixl_refused_is_loaded_afresh_for_the_next_re
 # --- The consumer's scheduling, with the real reader ---------------------------------------
 
 
-@dataclasses.dataclass
-class _Position:
-    embeds: int
-    offset: int = 3  # after a few text tokens
-
-    @property
-    def length(self) -> int:
-        return self.embeds
-
-    def get_num_embeds(self) -> int:
-        return self.embeds
-
-
-@dataclasses.dataclass
-class _Feature:
-    identifier: str
-    mm_position: _Position
-
-
-@dataclasses.dataclass
-class _Request:
-    """The fields of vLLM's Request the consumer reads."""
-
-    request_id: str
-    mm_features: list[_Feature]
-    ec_transfer_params: Any
-
-
-@dataclasses.dataclass
-class _SchedulerOutput:
-    free_encoder_mm_hashes: list[str] = dataclasses.field(default_factory=list)
-
-
 @pytest.fixture
 def consumer() -> Iterator[ConsumerScheduler]:
     consumer = ConsumerScheduler(ConnectorConfig(engine_id=f"test-{uuid.uuid4().hex[:8]}", buffer_bytes=SharedCounters.BYTES + 1024 * 1024, read_timeout_s=3.0))
@@ -505,7 +473,7 @@ def consumer() -> Iterator[ConsumerScheduler]:
     consumer.close()
 
 
-def _wait_available(consumer: ConsumerScheduler, request: _Request, timeout_s: float = 10.0) -> bool:
+def _wait_available(consumer: ConsumerScheduler, request: Request, timeout_s: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if consumer.ensure_cache_available(request, 0):
@@ -519,24 +487,24 @@ def _wait_available(consumer: ConsumerScheduler, request: _Request, timeout_s: f
 def test_consumer_loads_installs_and_frees_once_nothing_refers_to_the_item(producer, consumer):
     location = producer("publish", 61, 5, 128, "float32")
     params = expected_to_params({"h1": ExpectedItem(5, 128, "float32", location)})
-    request = _Request("r1", [_Feature("h1", _Position(5))], params)
+    request = Request("r1", [Feature("h1", Position(5))], params)
     assert _wait_available(consumer, request)
     assert consumer.has_cache_item("h1")
     consumer.update_state_after_alloc(request, 0)
-    (install,) = consumer.build_installs(_SchedulerOutput())
+    (install,) = consumer.build_installs(SchedulerOutput())
     assert (install.mm_hash, install.rows, install.width) == ("h1", 5, 128)
     consumer.request_finished(request)
     assert consumer.counters.get("items") == 1  # vLLM's encoder cache still holds it
-    consumer.build_installs(_SchedulerOutput(free_encoder_mm_hashes=["h1"]))
+    consumer.build_installs(SchedulerOutput(free_encoder_mm_hashes=["h1"]))
     assert consumer.counters.get("items") == 0 and not consumer.has_cache_item("h1")
-    consumer.build_installs(_SchedulerOutput())  # pages come back one step later
+    consumer.build_installs(SchedulerOutput())  # pages come back one step later
     assert consumer.counters.get("free_pages") == consumer.counters.get("num_pages")
 
 
 def test_consumer_refuses_a_slot_that_no_longer_holds_the_promised_item(producer, consumer, releaser):
     stale = producer("publish", 71, 4, 128, "float32")
     fresh = producer("overwrite", stale, 72, 4, 128, "float32")
-    request = _Request("r2", [_Feature("h2", _Position(4))], expected_to_params({"h2": ExpectedItem(4, 128, "float32", stale)}))
+    request = Request("r2", [Feature("h2", Position(4))], expected_to_params({"h2": ExpectedItem(4, 128, "float32", stale)}))
     assert not _wait_available(consumer, request)
     consumer.request_finished(request)
     assert consumer.counters.get("failed_loads") == 1
@@ -550,7 +518,7 @@ def test_consumer_refuses_a_slot_that_no_longer_holds_the_promised_item(producer
     ids=["no_params", "unknown_version", "no_entry_for_the_item"],
 )
 def test_consumer_refuses_requests_without_a_usable_handle(consumer, params):
-    request = _Request("r3", [_Feature("h3", _Position(2))], params)
+    request = Request("r3", [Feature("h3", Position(2))], params)
     assert not consumer.ensure_cache_available(request, 0)
     assert consumer.take_unavailable_requests() == {"r3"}
 
@@ -559,7 +527,7 @@ def test_a_request_whose_items_are_all_in_its_kv_needs_no_handles(consumer):
     """A decode engine's request with a KV handoff: the prompt's KV, items included, came from
     the prefill, so nothing is loaded; should vLLM still have an item's tokens to compute, the
     missing handles fail the request."""
-    request = _Request("kv", [_Feature("h7", _Position(4, offset=3))], None)
+    request = Request("kv", [Feature("h7", Position(4, offset=3))], None)
     assert consumer.ensure_cache_available(request, 7)
     assert consumer.take_unavailable_requests() == set() and consumer.counters.get("items") == 0
     consumer.request_finished(request)
@@ -568,7 +536,7 @@ def test_a_request_whose_items_are_all_in_its_kv_needs_no_handles(consumer):
 
 
 def test_consumer_refuses_a_handle_whose_rows_disagree_with_the_layout(consumer):
-    request = _Request("r4", [_Feature("h4", _Position(6))], expected_to_params({"h4": ExpectedItem(5, 16, "float32", InlineEmbedding(b"\0" * 320))}))
+    request = Request("r4", [Feature("h4", Position(6))], expected_to_params({"h4": ExpectedItem(5, 16, "float32", InlineEmbedding(b"\0" * 320))}))
     assert not consumer.ensure_cache_available(request, 0)
     assert consumer.take_unavailable_requests() == {"r4"}
 
@@ -577,7 +545,7 @@ def test_consumer_refuses_a_shape_smaller_than_its_location_before_reading(produ
     """The pages are sized from the item's shape (the caller's metadata); a genuine location of
     a larger item would otherwise be READ past them, over other requests' items."""
     location = producer("publish", 73, 8, 128, "float32")
-    request = _Request("r6", [_Feature("h6", _Position(8))], expected_to_params({"h6": ExpectedItem(8, 16, "float32", location)}))
+    request = Request("r6", [Feature("h6", Position(8))], expected_to_params({"h6": ExpectedItem(8, 16, "float32", location)}))
     assert not consumer.ensure_cache_available(request, 0)
     assert consumer.take_unavailable_requests() == {"r6"}
     assert producer("leases") == 1  # nothing was read
@@ -622,10 +590,10 @@ def test_a_well_formed_location_converts_both_ways():
 
 def test_inline_embeddings_are_copied_in_without_nixl(consumer):
     rows = make_rows(81, 3, 16)
-    request = _Request("r5", [_Feature("h5", _Position(3))], expected_to_params({"h5": ExpectedItem(3, 16, "float32", InlineEmbedding(rows.numpy().tobytes()))}))
+    request = Request("r5", [Feature("h5", Position(3))], expected_to_params({"h5": ExpectedItem(3, 16, "float32", InlineEmbedding(rows.numpy().tobytes()))}))
     assert consumer.ensure_cache_available(request, 0)
     consumer.update_state_after_alloc(request, 0)
-    (install,) = consumer.build_installs(_SchedulerOutput())
+    (install,) = consumer.build_installs(SchedulerOutput())
     view = SharedBuffer.attach(f"{consumer._config.engine_id}-receive").tensor
     assert torch.equal(view[install.offset : install.offset + rows.numel() * 4].view(torch.float32).view(3, 16), rows)
     assert [type(r).__name__ for r in consumer._readers.values()] == ["InlineReader"]  # no NIXL agent was needed
