@@ -7,6 +7,8 @@ the handler runs in a SERVER span that continues the caller's trace.
 
 from __future__ import annotations
 
+import contextvars
+import dataclasses
 import functools
 import inspect
 import logging
@@ -30,23 +32,46 @@ class UnparsedRequest:
         self.message_name = message_name
 
 
+@dataclasses.dataclass(frozen=True)
+class _Received:
+    """What :func:`add_servicer`'s parsers hand :func:`rpc_method`: the request and its size."""
+
+    request: object  # the parsed message, or an UnparsedRequest
+    nbytes: int
+
+
+_REQUEST_BYTES: contextvars.ContextVar[int] = contextvars.ContextVar("epd_request_bytes", default=0)
+
+
+def request_bytes() -> int:
+    """The serialized size of the request the calling handler serves, as it arrived.
+
+    Known from the bytes themselves: ``ByteSize()`` would encode the whole message again to
+    measure it (upb), which for a request of megabytes cost the gateway up to a millisecond."""
+    return _REQUEST_BYTES.get()
+
+
 def add_servicer(server: grpc.aio.Server, full_service_name: str, servicer) -> None:
     """Registers ``servicer``'s handler for every method of the service, as the generated
     ``add_*Servicer_to_server`` does, but parsing each request itself.
 
     grpcio answers a body that does not parse with UNKNOWN and a Python repr ("Unexpected <class
     'google.protobuf.message.DecodeError'>: ..."); gRPC's status-code table gives a request that
-    does not parse INTERNAL, which :func:`rpc_method` answers with a clean message.
+    does not parse INTERNAL, which :func:`rpc_method` answers with a clean message. And the
+    request's size comes along from its bytes (:func:`request_bytes`).
     """
     service = descriptor_pool.Default().FindServiceByName(full_service_name)
     handlers = {}
     for method in service.methods:
         if method.client_streaming:
             raise ValueError(f"{method.full_name}: client streaming is not served here")
+        handler = getattr(servicer, method.name)
+        if not getattr(handler, "_unwraps_requests", False):
+            raise TypeError(f"{method.full_name}: the handler must be an @rpc_method, which takes the parsed request")
         request_class = message_factory.GetMessageClass(method.input_type)
         make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
         handlers[method.name] = make(
-            getattr(servicer, method.name),
+            handler,
             request_deserializer=_parser(request_class),
             response_serializer=message_factory.GetMessageClass(method.output_type).SerializeToString,
         )
@@ -55,18 +80,22 @@ def add_servicer(server: grpc.aio.Server, full_service_name: str, servicer) -> N
 
 
 def _parser(request_class):
-    def parse(data: bytes):
+    def parse(data: bytes) -> _Received:
         try:
-            return request_class.FromString(data)
+            return _Received(request_class.FromString(data), len(data))
         except message.DecodeError:
-            return UnparsedRequest(request_class.DESCRIPTOR.full_name)
+            return _Received(UnparsedRequest(request_class.DESCRIPTOR.full_name), len(data))
 
     return parse
 
 
-def _check_parsed(request) -> None:
-    if isinstance(request, UnparsedRequest):
-        raise Internal(f"the request does not parse as {request.message_name}")
+def _unwrap(received):
+    """The handler's request, its size recorded for :func:`request_bytes`; a request that does
+    not parse raises INTERNAL, gRPC's status for it."""
+    _REQUEST_BYTES.set(received.nbytes)
+    if isinstance(received.request, UnparsedRequest):
+        raise Internal(f"the request does not parse as {received.request.message_name}")
+    return received.request
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: EpdError | None, exc: BaseException) -> None:
@@ -102,9 +131,9 @@ def rpc_method(service: str):
             async def stream_wrapper(self, request, context):
                 telemetry.IN_FLIGHT.labels(service=service).inc()
                 server_span = span(self, context)
-                responses = handler(self, request, context)
+                responses = None
                 try:
-                    _check_parsed(request)
+                    responses = handler(self, _unwrap(request), context)
                     while True:
                         # Current only while the handler runs, never across a yield: the stream
                         # may be resumed or closed from another Context (a cancelled client).
@@ -118,17 +147,19 @@ def rpc_method(service: str):
                 except Exception as exc:  # noqa: BLE001 - mapped to a status right here
                     await handle_failure(context, exc)
                 finally:
-                    await responses.aclose()
+                    if responses is not None:
+                        await responses.aclose()
                     server_span.end()
                     telemetry.IN_FLIGHT.labels(service=service).dec()
 
+            stream_wrapper._unwraps_requests = True
             return stream_wrapper
 
         @functools.wraps(handler)
         async def unary_wrapper(self, request, context):
             telemetry.IN_FLIGHT.labels(service=service).inc()
             try:
-                _check_parsed(request)
+                request = _unwrap(request)
                 with trace.use_span(span(self, context), end_on_exit=True):
                     response = await handler(self, request, context)
                 record(grpc.StatusCode.OK)
@@ -138,6 +169,7 @@ def rpc_method(service: str):
             finally:
                 telemetry.IN_FLIGHT.labels(service=service).dec()
 
+        unary_wrapper._unwraps_requests = True
         return unary_wrapper
 
     return decorate

@@ -39,6 +39,7 @@ from epd.transport import location_problems
 from epd.v1 import (
     common_pb2,
     decode_pb2,
+    encoder_pb2,
     engine_pb2,
     gateway_pb2,
     multimodal_pb2,
@@ -230,35 +231,46 @@ def _media_from_wire(kind: str, msg, field: str, violations: list[FieldViolation
     return modality, source, sampling
 
 
-def _file_to_wire(source: MediaFile) -> multimodal_pb2.Media:
-    return multimodal_pb2.Media(data=source.data, mime_type=source.mime_type)
+def media_item_into(msg: multimodal_pb2.MediaItem, item: MediaInput) -> None:
+    """Writes an item into ``msg`` in place, without its content hash (the receiver computes it
+    anyway: it never trusts one it is given, so hashing here would only cost the sender, the
+    gateway, time).
 
-
-def media_to_wire(item: MediaInput) -> multimodal_pb2.Media | multimodal_pb2.Video | multimodal_pb2.Audio:
-    """The image, video or audio message of an item (the same types in the public API and
-    the encoder's)."""
+    In place, so that each payload is copied once, into the message: built from constructors,
+    a video's megabytes were copied again at every level of nesting (Media into Video into
+    MediaItem into EncodeRequest), 0.45 ms of the gateway's time for a 1.8 MB request."""
     source = item.source
     if item.modality is Modality.IMAGE:
-        return _file_to_wire(source)
-    if item.modality is Modality.VIDEO:
-        sampling = multimodal_pb2.VideoSampling(fps=item.video_sampling.fps or 0, max_frames=item.video_sampling.max_frames or 0)
+        _file_into(msg.image, source)
+    elif item.modality is Modality.VIDEO:
+        video = msg.video
+        video.sampling.fps = item.video_sampling.fps or 0
+        video.sampling.max_frames = item.video_sampling.max_frames or 0
         if isinstance(source, VideoFrames):
-            frames = multimodal_pb2.VideoFrames(frames=[_file_to_wire(f) for f in source.frames], fps=source.fps)
-            return multimodal_pb2.Video(frames=frames, sampling=sampling)
-        return multimodal_pb2.Video(file=_file_to_wire(source), sampling=sampling)
-    if isinstance(source, PcmAudio):
-        pcm = multimodal_pb2.PcmAudio(data=source.data, sample_rate_hz=source.sample_rate_hz, channels=source.channels, encoding=_PCM_TO_WIRE[source.encoding])
-        return multimodal_pb2.Audio(pcm=pcm)
-    return multimodal_pb2.Audio(file=_file_to_wire(source))
+            video.frames.fps = source.fps
+            for frame in source.frames:
+                _file_into(video.frames.frames.add(), frame)
+        else:
+            _file_into(video.file, source)
+    elif isinstance(source, PcmAudio):
+        pcm = msg.audio.pcm
+        pcm.data, pcm.sample_rate_hz, pcm.channels, pcm.encoding = source.data, source.sample_rate_hz, source.channels, _PCM_TO_WIRE[source.encoding]
+    else:
+        _file_into(msg.audio.file, source)
+
+
+def _file_into(msg: multimodal_pb2.Media, source: MediaFile) -> None:
+    msg.data, msg.mime_type = source.data, source.mime_type
 
 
 # ---- encoder ----------------------------------------------------------------------------
 
 
-def media_item_to_wire(item: MediaInput) -> multimodal_pb2.MediaItem:
-    # Without its content hash: the receiver computes it anyway (it never trusts one it is
-    # given), so hashing here would only cost the sender, the gateway, time.
-    return multimodal_pb2.MediaItem(**{item.modality.value: media_to_wire(item)})
+def encode_request_to_wire(request_id: str, items: list[MediaInput], release_key: str) -> encoder_pb2.EncodeRequest:
+    message = encoder_pb2.EncodeRequest(request_id=request_id, release_key=release_key)
+    for item in items:
+        media_item_into(message.items.add(), item)
+    return message
 
 
 def media_item_from_wire(item: multimodal_pb2.MediaItem, field: str, violations: list[FieldViolation]) -> MediaInput | None:
@@ -441,7 +453,7 @@ def encoded_item_to_wire(item: EncodedItem, *, with_embedding: bool = True) -> m
     if with_embedding and item.embedding is not None:
         msg.embedding.CopyFrom(_handle_to_wire(item.embedding))
     if item.forwarded_media is not None:
-        msg.forwarded_media.CopyFrom(media_item_to_wire(item.forwarded_media))
+        media_item_into(msg.forwarded_media, item.forwarded_media)
     return msg
 
 

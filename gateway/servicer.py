@@ -10,7 +10,7 @@ from epd import wire
 from epd.domain import FinishReason
 from epd.errors import AlreadyExists, InvalidArgument, NotFound, Unavailable
 from epd.offload import INLINE_MESSAGE_BYTES, run_sized
-from epd.rpc import rpc_method
+from epd.rpc import request_bytes, rpc_method
 from epd.v1 import gateway_pb2, gateway_pb2_grpc
 from gateway.pipeline import Delta, Finished, RequestClock
 from gateway.run import PipelineRun, RunCancelled
@@ -40,7 +40,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         clock = RequestClock()
         # Parsing hashes every media item: megabytes of work for a large request, which must not
         # stall other streams.
-        generate = await run_sized(request.ByteSize(), INLINE_MESSAGE_BYTES, wire.generate_request_from_wire, request)
+        generate = await run_sized(request_bytes(), INLINE_MESSAGE_BYTES, wire.generate_request_from_wire, request)
         if generate.request_id in self._in_flight:
             raise AlreadyExists(f"request_id {generate.request_id!r} is already in flight")
         remaining = context.time_remaining()

@@ -95,8 +95,7 @@ class EncoderClient:
         results: list[EncodedItem | None] = [None] * len(media)
 
         async def call(address: str, indices: list[int]) -> None:
-            items = [wire.media_item_to_wire(media[i]) for i in indices]
-            message = encoder_pb2.EncodeRequest(request_id=request_id, items=items, release_key=leases.new_key(address))
+            message = wire.encode_request_to_wire(request_id, [media[i] for i in indices], leases.new_key(address))
             with self.pool.busy(address) as stub, _tracer.start_as_current_span("encode", kind=SpanKind.CLIENT):
                 try:
                     response = await stub.Encode(message, timeout=time_left(deadline), metadata=telemetry.trace_metadata())

@@ -101,7 +101,7 @@ async def prefill_directly(family_stack, parts: list, mutate=None):
 
     chat = wire.generate_request_from_wire(chat_request(parts, max_tokens=4))
     async with grpc.aio.insecure_channel(family_stack.encoder.address) as enc, grpc.aio.insecure_channel(family_stack.prefill.address) as pre:
-        encode = encoder_pb2.EncodeRequest(request_id="direct", items=[wire.media_item_to_wire(m) for m in chat.media])
+        encode = wire.encode_request_to_wire("direct", chat.media, "")
         items = list((await encoder_pb2_grpc.EncoderServiceStub(enc).Encode(encode, timeout=60)).items)
         if mutate is not None:
             mutate(items)

@@ -24,7 +24,7 @@ from epd.transport.memory.arena import SharedCounters
 from epd.transport.memory.shared_buffer import SharedBuffer
 from epd.transport.memory.slot_header import HEADER_BYTES
 from epd.transport.wire.nixl import NixlReader, Read
-from epd.v1 import encoder_pb2, encoder_pb2_grpc
+from epd.v1 import encoder_pb2_grpc
 from tests.conftest import BF16, stack_key
 from tests.helpers import assert_matches_monolithic
 
@@ -90,7 +90,7 @@ async def test_hf_tower_bf16_embedding_is_not_vllms(family_stack, family):
     thinker's.)"""
     chat = wire.generate_request_from_wire(chat_request([(PNG, "image/png"), "Describe the picture."], max_tokens=4))
     async with grpc.aio.insecure_channel(family_stack.encoder.address) as channel:
-        encoded = await encoder_pb2_grpc.EncoderServiceStub(channel).Encode(encoder_pb2.EncodeRequest(items=[wire.media_item_to_wire(chat.media[0])]), timeout=60)
+        encoded = await encoder_pb2_grpc.EncoderServiceStub(channel).Encode(wire.encode_request_to_wire("", [chat.media[0]], ""), timeout=60)
     (item,) = encoded.items
     rows, width = item.metadata.embedding_shape
     vllm_rows = _read_over_nixl(wire.embedding_location_from_wire(item.embedding), rows, width)

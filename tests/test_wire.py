@@ -9,7 +9,20 @@ import pytest
 from google.rpc import error_details_pb2
 
 from epd import wire
-from epd.domain import EngineField, GridThw, InlineEmbedding, ItemMetadata, MediaFile, MediaInput, Modality, NixlLocation, VideoFrames, VideoSampling
+from epd.domain import (
+    EngineField,
+    GridThw,
+    InlineEmbedding,
+    ItemMetadata,
+    MediaFile,
+    MediaInput,
+    Modality,
+    NixlLocation,
+    PcmAudio,
+    PcmEncoding,
+    VideoFrames,
+    VideoSampling,
+)
 from epd.errors import InvalidArgument, ResourceExhausted, to_rpc_status
 from epd.mm_items import batch_fields, engine_field_from_vllm, metadata_from_published, vllm_fields
 from epd.transport.connector.ec_params import (
@@ -61,10 +74,27 @@ def test_the_gateway_routes_media_by_a_key_of_its_own_and_leaves_the_content_has
     request = wire.generate_request_from_wire(_request([gateway_pb2.ContentPart(image=multimodal_pb2.Media(data=b"png bytes", mime_type="image/png"))]))
     image = request.media[0]
     assert "affinity_key" in vars(image)  # computed as the request was built, off the event loop for a large one
-    sent = wire.media_item_to_wire(image)
+    (sent,) = wire.encode_request_to_wire("r", [image], "k").items
     assert not sent.content_hash and "content_hash" not in vars(image)  # the gateway hashed nothing but its key
     received = wire.media_items_from_wire([sent])[0]
     assert received.content_hash == hashlib.sha256(b"png bytes").hexdigest()
+
+
+def test_every_kind_of_media_reaches_the_encoder_as_it_came():
+    frames = (MediaFile(b"frame one", "image/png"), MediaFile(b"frame two", "image/jpeg"))
+    items = [
+        MediaInput(Modality.IMAGE, MediaFile(b"png", "image/png")),
+        MediaInput(Modality.VIDEO, MediaFile(b"mp4", "video/mp4"), VideoSampling(fps=1.5, max_frames=12)),
+        MediaInput(Modality.VIDEO, MediaFile(b"webm", "video/webm")),
+        MediaInput(Modality.VIDEO, VideoFrames(frames, 2.0), VideoSampling(max_frames=4)),
+        MediaInput(Modality.AUDIO, MediaFile(b"wav", "audio/wav")),
+        MediaInput(Modality.AUDIO, PcmAudio(b"\x00\x01" * 8, 8000, 2, PcmEncoding.S16LE)),
+    ]
+    sent = wire.encode_request_to_wire("r", items, "release")
+    assert (sent.request_id, sent.release_key) == ("r", "release")
+    received = wire.media_items_from_wire(list(sent.items))
+    assert [(m.modality, m.source, m.video_sampling) for m in received] == [(m.modality, m.source, m.video_sampling) for m in items]
+    assert [m.content_hash for m in received] == [m.content_hash for m in items]
 
 
 def test_metadata_round_trips_with_typed_and_engine_fields():
