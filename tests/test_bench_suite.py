@@ -1,68 +1,13 @@
-"""The benchmark suite's structure, without running anything: no import cycle among bench's
-modules (function-level imports included), and every experiment the suite runs has a report
-section and a result file named after it."""
+"""The benchmark suite's structure, without running anything: every experiment the suite runs is
+registered with a run and a report section, and a result file named after it (import circles
+are tests/test_layout.py's, bench's included)."""
 
 from __future__ import annotations
 
-import ast
 import inspect
 import pathlib
 
 from bench import common, report, serving
-
-BENCH = pathlib.Path(common.__file__).resolve().parent
-
-
-def bench_imports() -> dict[str, set[str]]:
-    """Module -> the bench modules it imports anywhere in its body (``bench.x`` names)."""
-    graph: dict[str, set[str]] = {}
-    for path in sorted(BENCH.glob("*.py")):
-        module = f"bench.{path.stem}"
-        imported: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
-            elif isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            else:
-                continue
-            imported |= {name for name in names if name.startswith("bench.") and (BENCH / f"{name.removeprefix('bench.')}.py").exists()}
-        graph[module] = imported - {module}
-    return graph
-
-
-def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
-    """One import cycle as a path (first module repeated at the end), or None."""
-    state: dict[str, str] = {}
-    stack: list[str] = []
-
-    def visit(module: str) -> list[str] | None:
-        state[module] = "open"
-        stack.append(module)
-        for target in sorted(graph.get(module, ())):
-            if state.get(target) == "open":
-                return [*stack[stack.index(target) :], target]
-            if target not in state and (cycle := visit(target)):
-                return cycle
-        stack.pop()
-        state[module] = "done"
-        return None
-
-    for module in sorted(graph):
-        if module not in state and (cycle := visit(module)):
-            return cycle
-    return None
-
-
-def test_bench_modules_import_no_cycle() -> None:
-    graph = bench_imports()
-    assert {"bench.__main__", "bench.report", "bench.serving", "bench.handoff"} <= graph.keys()
-    assert find_cycle(graph) is None, f"import cycle: {' -> '.join(find_cycle(graph))}"
-
-
-def test_the_cycle_finder_finds_one() -> None:
-    assert find_cycle({"bench.a": {"bench.b"}, "bench.b": {"bench.c"}, "bench.c": {"bench.a"}}) == ["bench.a", "bench.b", "bench.c", "bench.a"]
-    assert find_cycle({"bench.a": {"bench.b"}, "bench.b": set()}) is None
 
 
 def test_every_experiment_runs_and_reports_through_the_registry() -> None:
