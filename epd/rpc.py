@@ -24,20 +24,14 @@ from epd.errors import EpdError, Internal, internal_status, to_rpc_status
 logger = logging.getLogger(__name__)
 
 
-class UnparsedRequest:
-    """A request body that does not parse as the method's message: what :func:`add_servicer`'s
-    parsers hand a handler instead of raising, so that :func:`rpc_method` answers it."""
-
-    def __init__(self, message_name: str):
-        self.message_name = message_name
-
-
 @dataclasses.dataclass(frozen=True)
 class _Received:
-    """What :func:`add_servicer`'s parsers hand :func:`rpc_method`: the request and its size."""
+    """What :func:`add_servicer`'s parsers hand :func:`rpc_method` (rather than raise, so that
+    a body that does not parse gets its status here): the request and its size."""
 
-    request: object  # the parsed message, or an UnparsedRequest
+    request: object | None  # the parsed message; None when the body does not parse as message_name
     nbytes: int
+    message_name: str
 
 
 _REQUEST_BYTES: contextvars.ContextVar[int] = contextvars.ContextVar("epd_request_bytes", default=0)
@@ -82,19 +76,20 @@ def add_servicer(server: grpc.aio.Server, full_service_name: str, servicer) -> N
 def _parser(request_class):
     def parse(data: bytes) -> _Received:
         try:
-            return _Received(request_class.FromString(data), len(data))
+            parsed = request_class.FromString(data)
         except message.DecodeError:
-            return _Received(UnparsedRequest(request_class.DESCRIPTOR.full_name), len(data))
+            parsed = None
+        return _Received(parsed, len(data), request_class.DESCRIPTOR.full_name)
 
     return parse
 
 
-def _unwrap(received):
+def _unwrap(received: _Received):
     """The handler's request, its size recorded for :func:`request_bytes`; a request that does
     not parse raises INTERNAL, gRPC's status for it."""
     _REQUEST_BYTES.set(received.nbytes)
-    if isinstance(received.request, UnparsedRequest):
-        raise Internal(f"the request does not parse as {received.request.message_name}")
+    if received.request is None:
+        raise Internal(f"the request does not parse as {received.message_name}")
     return received.request
 
 

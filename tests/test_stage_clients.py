@@ -9,7 +9,7 @@ import pytest
 
 from epd.domain import ChatMessage, EngineRequest, FinishReason, Role, Sampling, TextPart
 from epd.errors import EpdError, InvalidArgument
-from epd.rpc import rpc_method
+from epd.rpc import add_servicer, rpc_method
 from epd.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2_grpc
 from gateway.router import StagePool
 from gateway.stages import DecodeClient, DecodeEnd, DecodeStep, PrefillClient, StageFailed
@@ -64,7 +64,7 @@ class _PrefillOf(prefill_pb2_grpc.PrefillServiceServicer):
 
 async def _prefill_refused_by(error: InvalidArgument) -> tuple[BaseException, StagePool]:
     server = grpc.aio.server()
-    prefill_pb2_grpc.add_PrefillServiceServicer_to_server(_PrefillOf(error), server)
+    add_servicer(server, "epd.v1.PrefillService", _PrefillOf(error))
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     pool = StagePool("prefill", [f"127.0.0.1:{port}"], prefill_pb2_grpc.PrefillServiceStub)
