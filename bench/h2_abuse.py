@@ -24,10 +24,10 @@ only, every loop is bounded in time, and the attacker is a child process this ru
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import json
-import os
 import pathlib
 import resource
 import select
@@ -326,7 +326,6 @@ def _run_attack(name: str, target: str, gateway_pid: int, request: bytes, second
         time.sleep(1.0)
         baseline = sampler.rss()
         cpu_before, started = sampler.cpu_s(), time.monotonic()
-        host, port = target.rsplit(":", 1)
         attacker = subprocess.Popen(
             [sys.executable, "-m", "bench.h2_abuse", "attack", name, "--target", target, "--seconds", str(seconds)],
             stdout=subprocess.PIPE,
@@ -354,10 +353,7 @@ def _run_attack(name: str, target: str, gateway_pid: int, request: bytes, second
     finally:
         sampler.stop()
     latencies = [o["seconds"] * 1e3 for o in during if o["ok"]]
-    errors: dict[str, int] = {}
-    for outcome in during + after:
-        if not outcome["ok"]:
-            errors[outcome.get("error", "no finished message")] = errors.get(outcome.get("error", "no finished message"), 0) + 1
+    errors = collections.Counter(outcome.get("error", "no finished message") for outcome in during + after if not outcome["ok"])
     result = {
         "attack": name,
         "seconds": seconds,
@@ -371,7 +367,7 @@ def _run_attack(name: str, target: str, gateway_pid: int, request: bytes, second
         "cpu_s": cpu_s,
         "after_ok": sum(o["ok"] for o in after),
         "after_sent": len(after),
-        "errors": errors,
+        "errors": dict(errors),
     }
     result["success_ratio"] = result["legit_ok"] / result["legit_sent"] if result["legit_sent"] else 0.0
     result["met"] = (
@@ -449,7 +445,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
     raise SystemExit(main())
 
 
