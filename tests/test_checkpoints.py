@@ -161,27 +161,16 @@ def test_costly_tower_scale_changes_only_the_tower_and_the_image_size(tmp_path: 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_vision_tower_has_shards_of_its_own(checkpoints: dict[str, pathlib.Path], family: str) -> None:
-    from safetensors import safe_open
-
     directory = checkpoints[family]
     index = json.loads((directory / "model.safetensors.index.json").read_text())
     mapping = index["weight_map"]
     assert len(set(mapping.values())) >= 3
     vision, language = shard_files(directory, vision=True), shard_files(directory, vision=False)
     assert vision and language and not vision & language
-    total = 0
-    for shard in sorted(set(mapping.values())):
-        with safe_open(directory / shard, framework="pt") as f:
-            names = set(f.keys())
-            for name in names:
-                tensor = f.get_tensor(name)
-                assert str(tensor.dtype) == "torch.float32", name
-                total += tensor.numel() * tensor.element_size()
-        # The index and the shard agree on what the shard holds.
-        assert names == {name for name, where in mapping.items() if where == shard}
+    _assert_shards_match_the_index(directory, index)
+    for shard in set(mapping.values()):
+        names = {name for name, where in mapping.items() if where == shard}
         assert len({is_vision(name) for name in names}) == 1, f"{shard} mixes vision and language tensors"
-    assert index["metadata"]["total_size"] == total
-    assert total < 8 * 2**20
 
 
 def test_ensure_reuses_and_repairs(tmp_path: pathlib.Path) -> None:
@@ -211,8 +200,6 @@ def test_unknown_family_is_rejected(tmp_path: pathlib.Path) -> None:
 
 
 def test_audio_tower_has_a_shard_of_its_own(audio_checkpoint: pathlib.Path) -> None:
-    from safetensors import safe_open
-
     index = json.loads((audio_checkpoint / "model.safetensors.index.json").read_text())
     mapping = index["weight_map"]
     # The released Qwen2-Audio names, which vLLM and transformers both read.
@@ -222,16 +209,7 @@ def test_audio_tower_has_a_shard_of_its_own(audio_checkpoint: pathlib.Path) -> N
     tower = {shard for name, shard in mapping.items() if is_audio_tower(name)}
     assert tower == {"model-00001-of-00003.safetensors"}
     assert not tower & {shard for name, shard in mapping.items() if not is_audio_tower(name)}
-    total = 0
-    for shard in sorted(set(mapping.values())):
-        with safe_open(audio_checkpoint / shard, framework="pt") as f:
-            assert set(f.keys()) == {name for name, where in mapping.items() if where == shard}
-            for name in f.keys():
-                tensor = f.get_tensor(name)
-                assert str(tensor.dtype) == "torch.float32", name
-                total += tensor.numel() * tensor.element_size()
-    assert index["metadata"]["total_size"] == total
-    assert total < 8 * 2**20
+    _assert_shards_match_the_index(audio_checkpoint, index)
 
 
 def test_audio_seed_changes_only_the_tower_shard(audio_checkpoint: pathlib.Path, tmp_path: pathlib.Path) -> None:
@@ -475,8 +453,6 @@ def multimodal_messages(modalities: tuple[str, ...] | list[str]) -> list[dict[st
 
 @pytest.mark.parametrize("family", MULTIMODAL_FAMILIES)
 def test_multimodal_tower_is_alone_in_shard_1(multimodal_checkpoints: dict[str, pathlib.Path], family: str) -> None:
-    from safetensors import safe_open
-
     directory = multimodal_checkpoints[family]
     index = json.loads((directory / "model.safetensors.index.json").read_text())
     mapping = index["weight_map"]
@@ -493,16 +469,7 @@ def test_multimodal_tower_is_alone_in_shard_1(multimodal_checkpoints: dict[str, 
         experts = {name.split(".")[6] for name in mapping if ".mlp.experts." in name}
         assert experts == {"0", "1", "2", "3"}
         assert "thinker.model.layers.1.mlp.experts.3.gate_proj.weight" in mapping
-    total = 0
-    for shard in sorted(set(mapping.values())):
-        with safe_open(directory / shard, framework="pt") as f:
-            assert set(f.keys()) == {name for name, where in mapping.items() if where == shard}
-            for name in f.keys():
-                tensor = f.get_tensor(name)
-                assert str(tensor.dtype) == "torch.float32", name
-                total += tensor.numel() * tensor.element_size()
-    assert index["metadata"]["total_size"] == total
-    assert total < 8 * 2**20
+    _assert_shards_match_the_index(directory, index)
 
 
 @pytest.mark.parametrize("family", MULTIMODAL_FAMILIES)
@@ -809,3 +776,21 @@ def test_cli_offers_every_family_the_builder_knows():
     from devkit.checkpoints import ALL_FAMILIES
 
     assert TINY_FAMILIES == ALL_FAMILIES
+
+
+def _assert_shards_match_the_index(directory: pathlib.Path, index: dict) -> None:
+    """Each shard holds exactly the tensors the index gives it, all float32, and the index's
+    total is their size, under 8 MiB (a tiny checkpoint)."""
+    from safetensors import safe_open
+
+    mapping = index["weight_map"]
+    total = 0
+    for shard in sorted(set(mapping.values())):
+        with safe_open(directory / shard, framework="pt") as f:
+            assert set(f.keys()) == {name for name, where in mapping.items() if where == shard}
+            for name in f.keys():
+                tensor = f.get_tensor(name)
+                assert str(tensor.dtype) == "torch.float32", name
+                total += tensor.numel() * tensor.element_size()
+    assert index["metadata"]["total_size"] == total
+    assert total < 8 * 2**20
