@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 
 from bench.common import RESULTS_DIR, progress, summarize, write_result
-from bench.formatting import fmt, machine, resilience_gateway, seconds
+from bench.formatting import fmt, machine, seconds
 from bench.workload import Sent, closed_loop
 from cli.launcher import ServiceProcess, Stack, gateway_args
 from devkit.media import synthetic_image_png
@@ -210,7 +210,7 @@ def report(doc: dict) -> list[str]:
         "",
         f"Command: `{doc['command']}`  ",
         f"Machine: {machine(doc)}  ",
-        f"Two encoders, two prefills and two decodes behind one E/P/D gateway ({resilience_gateway(doc)}); {doc['concurrency']} clients in a closed loop of one-image requests "
+        f"Two encoders, two prefills and two decodes behind one E/P/D gateway; {doc['concurrency']} clients in a closed loop of one-image requests "
         f"({doc['output_tokens']} output tokens), {doc['load_s']:.0f} s of load before the kill and again after the restart. "
         "Gone: the kill until the instance's port refuses connections (its processes have exited, sockets last); eject: the kill until the gateway's "
         "`epd_stage_instance_up` for the instance reads 0 (both polled every 50 ms); rejoin: the restarted process ready until it reads 1.",

@@ -20,9 +20,3 @@ def machine(doc: dict) -> str:
 
 def seconds(value) -> str:
     return "never" if value is None else f"{value:.2f}"
-
-
-def resilience_gateway(doc: dict) -> str:
-    """Which gateway a fault or soak run put under load: results recorded while a compiled
-    gateway existed name it; every run since is the Python one."""
-    return {"go": "compiled", "python": "Python"}[doc.get("gateway_impl", "python")]

@@ -23,7 +23,7 @@ import grpc
 import psutil
 
 from bench.common import RESULTS_DIR, progress, summarize, write_result
-from bench.formatting import fmt, machine, resilience_gateway
+from bench.formatting import fmt, machine
 from bench.workload import Sent, closed_loop
 from cli.launcher import ServiceProcess, Stack, gateway_args
 from devkit.media import synthetic_image_png
@@ -142,7 +142,7 @@ def report(doc: dict) -> list[str]:
         "",
         f"Command: `{doc['command']}`  ",
         f"Machine: {machine(doc)}  ",
-        f"{doc['requests']} one-image E/P/D requests ({doc['output_tokens']} output tokens) through the {resilience_gateway(doc)} gateway "
+        f"{doc['requests']} one-image E/P/D requests ({doc['output_tokens']} output tokens) through the gateway "
         f"at concurrency {doc['concurrency']} in {doc['duration_s']:.0f} s. "
         f"Lost: {doc['lost']}{' (' + ', '.join(doc['errors']) + ')' if doc['errors'] else ''}. "
         f"E2EL p50 {fmt(doc['e2el_ms']['median'], 0)} ms, p99 {fmt(doc['e2el_ms']['p99'], 0)} ms; TTFT p50 {fmt(doc['ttft_ms']['median'], 0)} ms, p99 {fmt(doc['ttft_ms']['p99'], 0)} ms.",
