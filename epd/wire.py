@@ -4,6 +4,8 @@ behind them sees a protobuf message. Parsing functions validate and raise
 
 from __future__ import annotations
 
+import math
+import re
 import uuid
 from collections.abc import Sequence
 
@@ -363,25 +365,57 @@ def metadata_to_wire(meta: ItemMetadata) -> multimodal_pb2.MultimodalMetadata:
     return msg
 
 
+# Bounds on what a metadata-only item may carry: the engine that gets it lays the item out from
+# these fields with vLLM's processor, so each is refused here before it could make that engine
+# allocate without limit (every legitimate value is far inside them).
+_CONTENT_HASH = re.compile(r"[0-9a-f]{64}")
+_FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+_MAX_ENGINE_FIELDS = 32
+_MAX_FIELD_VALUES = 65536
+_MAX_FIELD_DIMS = 4
+_MAX_FIELD_INT = 2**24
+_MAX_FIELD_PRODUCT = 2**32  # a grid of more patches describes no item any context could hold
+
+
 def metadata_from_wire(msg: multimodal_pb2.MultimodalMetadata, field: str) -> ItemMetadata:
     violations = []
     if msg.modality not in _MODALITY_FROM_WIRE:
         violations.append(FieldViolation(f"{field}.modality", "must be set"))
     if msg.embedding_dtype not in _DTYPE_FROM_WIRE:
         violations.append(FieldViolation(f"{field}.embedding_dtype", "must be set"))
-    if not msg.content_hash:
-        violations.append(FieldViolation(f"{field}.content_hash", "is required"))
+    if not _CONTENT_HASH.fullmatch(msg.content_hash):
+        # It names the item in every engine cache: the encoder's SHA-256, and nothing else.
+        violations.append(FieldViolation(f"{field}.content_hash", "must be the item's SHA-256, 64 lowercase hex digits"))
+    if len(msg.engine_fields) > _MAX_ENGINE_FIELDS:
+        violations.append(FieldViolation(f"{field}.engine_fields", f"holds {len(msg.engine_fields)} fields, over {_MAX_ENGINE_FIELDS}"))
     if len(msg.embedding_shape) != 2 or msg.placeholder_count != (msg.embedding_shape[0] if msg.embedding_shape else -1):
         violations.append(FieldViolation(f"{field}.embedding_shape", f"must be [rows, width] with rows = placeholder_count ({msg.placeholder_count})"))
     engine_fields = {}
-    for name, value in msg.engine_fields.items():
+    for name, value in list(msg.engine_fields.items())[:_MAX_ENGINE_FIELDS]:
+        if not _FIELD_NAME.fullmatch(name):
+            violations.append(FieldViolation(f"{field}.engine_fields", "names a field that is not an identifier of at most 64 characters"))
+            continue
+        path = f"{field}.engine_fields['{name}']"
         dtype = _FIELD_DTYPES_FROM_WIRE.get(value.dtype)
         values = tuple(value.float_values) if dtype in _FLOAT_FIELD_DTYPES else tuple(value.int_values)
+        if len(values) > _MAX_FIELD_VALUES or len(value.shape) > _MAX_FIELD_DIMS:
+            violations.append(FieldViolation(path, f"holds more than {_MAX_FIELD_VALUES} values or {_MAX_FIELD_DIMS} dimensions"))
+            continue
         expected = 1
         for dim in value.shape:
             expected *= dim
         if dtype is None or len(values) != expected or (value.is_list and len(value.shape) != 1):
-            violations.append(FieldViolation(f"{field}.engine_fields[{name!r}]", "needs a dtype and exactly as many values as its shape holds"))
+            violations.append(FieldViolation(path, "needs a dtype and exactly as many values as its shape holds"))
+            continue
+        if dtype in _FLOAT_FIELD_DTYPES and not all(math.isfinite(v) for v in values):
+            violations.append(FieldViolation(path, "must hold finite numbers"))
+            continue
+        if dtype not in _FLOAT_FIELD_DTYPES and (
+            not all(abs(v) < _MAX_FIELD_INT for v in values) or math.prod(abs(v) for v in values if v) >= _MAX_FIELD_PRODUCT
+        ):
+            # Grids and lengths size what vLLM's processor builds for the item: a grid of 2**31
+            # would be laid out as billions of placeholders before any other check ran.
+            violations.append(FieldViolation(path, f"must hold integers below {_MAX_FIELD_INT} whose product is below {_MAX_FIELD_PRODUCT}"))
             continue
         engine_fields[name] = EngineField(dtype, tuple(value.shape), values, value.is_list)
     if violations:
@@ -490,6 +524,9 @@ def kv_handoff_to_wire(kv: KvHandoff) -> engine_pb2.KvHandoff:
     return msg
 
 
+_MAX_BLOCK_ID = 2**31  # vLLM's NixlConnector holds block ids as int32
+
+
 def kv_handoff_from_wire(msg: engine_pb2.KvHandoff) -> KvHandoff:
     """Checks what a forged handoff could break the KV-consumer engine with before it gets there
     (vLLM's connector trusts these values; an empty block list made its engine core exit)."""
@@ -510,6 +547,13 @@ def kv_handoff_from_wire(msg: engine_pb2.KvHandoff) -> KvHandoff:
         # As vLLM's NixlConnector counts it: a handoff with no block at all has no KV to pull
         # (a group of its own may be empty, say a window that moved past every block).
         violations.append(FieldViolation("kv_handoff.remote_block_groups", "must hold at least one KV block"))
+    for index, group in enumerate(msg.remote_block_groups):
+        # vLLM's connector casts block ids to int32 (one of 2**31 or more made its engine core
+        # exit with OverflowError), and a block named twice would be read twice into one.
+        if any(block >= _MAX_BLOCK_ID for block in group.block_ids):
+            violations.append(FieldViolation(f"kv_handoff.remote_block_groups[{index}].block_ids", f"must be below {_MAX_BLOCK_ID}"))
+        if len(set(group.block_ids)) != len(group.block_ids):
+            violations.append(FieldViolation(f"kv_handoff.remote_block_groups[{index}].block_ids", "must not name a block twice"))
     if violations:
         raise InvalidArgument("invalid kv_handoff", violations)
     return KvHandoff(

@@ -168,6 +168,8 @@ def _forged_decode(**changes) -> decode_pb2.DecodeRequest:
     for name, value in changes.items():
         if name == "remote_block_groups":
             del handoff.remote_block_groups[:]
+        elif name == "block_ids":
+            handoff.remote_block_groups[0].block_ids[:] = value
         else:
             setattr(handoff, name, value)
     return decode_pb2.DecodeRequest(
@@ -184,6 +186,9 @@ def _forged_decode(**changes) -> decode_pb2.DecodeRequest:
         ({"remote_block_groups": []}, "kv_handoff.remote_block_groups"),
         ({"remote_host": "no-such-prefill.invalid"}, "kv_handoff.remote_host"),
         ({"tp_size": 0}, "kv_handoff.tp_size"),
+        # vLLM's connector holds block ids as int32: this one made its engine core exit.
+        ({"block_ids": [2**31]}, "kv_handoff.remote_block_groups[0].block_ids"),
+        ({"block_ids": [3, 3]}, "kv_handoff.remote_block_groups[0].block_ids"),
     ],
 )
 async def test_a_forged_kv_handoff_sent_straight_to_decode_is_invalid_argument(family_stack, changes, field):
@@ -310,6 +315,45 @@ async def test_metadata_that_the_model_lays_out_differently_fails_only_that_requ
     assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
     assert "items[0].metadata" in violations(error)
     assert "embedding rows" in error.details()
+
+
+def _content_hash(value: str):
+    def forge(items):
+        items[0].metadata.content_hash = value
+
+    return forge
+
+
+def _grid_field(values: list[int]):
+    def forge(items):
+        grid = items[0].metadata.engine_fields["image_grid_thw"]
+        grid.dtype, grid.is_list = multimodal_pb2.FIELD_DTYPE_INT64, False
+        grid.shape[:] = [1, 3]
+        grid.int_values[:] = values
+
+    return forge
+
+
+@pytest.mark.parametrize(
+    ("forge", "field"),
+    [
+        (_content_hash("a" * (1 << 20)), "items[0].metadata.content_hash"),
+        (_content_hash("../../" + "a" * 58), "items[0].metadata.content_hash"),
+        (_grid_field([1, 2**31, 2]), "items[0].metadata.engine_fields['image_grid_thw']"),
+        (_grid_field([2**12, 2**12, 2**12]), "items[0].metadata.engine_fields['image_grid_thw']"),
+    ],
+)
+async def test_forged_metadata_is_refused_before_the_engine_lays_it_out(family_stack, forge, field):
+    """A peer that calls prefill directly cannot hand it a megabyte of content hash, a hash that
+    is no SHA-256, or a grid that would have vLLM's processor lay out billions of placeholders:
+    each is INVALID_ARGUMENT naming the field, and the next request is served."""
+    error = await encode_then_prefill(family_stack, [(PNG, "image/png"), "Hi"], forge)
+    assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+    assert violations(error) == [field], error.details()
+    assert len(error.details().encode()) < 512
+    request = chat_request([(PNG, "image/png"), "Hi"], max_tokens=4)
+    oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=120)
+    assert (await generate(family_stack.gateway_stub("epd"), request, timeout=120)).token_ids == oracle.token_ids
 
 
 async def test_an_item_under_another_items_content_hash_is_refused_and_never_cached(family_stack):

@@ -119,7 +119,7 @@ def test_metadata_round_trips_with_typed_and_engine_fields():
 
 
 def test_metadata_with_inconsistent_shape_or_field_values_names_them():
-    msg = wire.metadata_to_wire(ItemMetadata(Modality.IMAGE, "h", 7, 6, 6, (6, 16), "float32", GridThw(1, 4, 6)))
+    msg = wire.metadata_to_wire(ItemMetadata(Modality.IMAGE, "ab" * 32, 7, 6, 6, (6, 16), "float32", GridThw(1, 4, 6)))
     msg.embedding_shape[0] = 5
     msg.engine_fields["x"].dtype = multimodal_pb2.FIELD_DTYPE_INT64
     msg.engine_fields["x"].shape.extend([3])
@@ -127,6 +127,35 @@ def test_metadata_with_inconsistent_shape_or_field_values_names_them():
     with pytest.raises(InvalidArgument) as info:
         wire.metadata_from_wire(msg, "items[0].metadata")
     assert _fields(info.value) == ["items[0].metadata.embedding_shape", "items[0].metadata.engine_fields['x']"]
+
+
+def test_metadata_fields_are_bounded_before_any_engine_reads_them():
+    def metadata(**fields) -> multimodal_pb2.MultimodalMetadata:
+        msg = wire.metadata_to_wire(ItemMetadata(Modality.IMAGE, "ab" * 32, 7, 6, 6, (6, 16), "float32", GridThw(1, 4, 6)))
+        for name, (dtype, values) in fields.items():
+            value = msg.engine_fields[name]
+            value.dtype = dtype
+            value.shape.append(len(values))
+            (value.float_values if dtype == multimodal_pb2.FIELD_DTYPE_FLOAT64 else value.int_values).extend(values)
+        return msg
+
+    int64, float64 = multimodal_pb2.FIELD_DTYPE_INT64, multimodal_pb2.FIELD_DTYPE_FLOAT64
+    refused = {
+        "items[0].metadata.engine_fields": metadata(**{"no spaces": (int64, [1])}),
+        "items[0].metadata.engine_fields['lengths']": metadata(lengths=(int64, [2**24])),
+        "items[0].metadata.engine_fields['grid']": metadata(grid=(int64, [2**11, 2**11, 2**11])),
+        "items[0].metadata.engine_fields['seconds']": metadata(seconds=(float64, [float("nan")])),
+    }
+    for field, msg in refused.items():
+        with pytest.raises(InvalidArgument) as info:
+            wire.metadata_from_wire(msg, "items[0].metadata")
+        assert _fields(info.value) == [field]
+    many = metadata(**{f"f{i}": (int64, [i]) for i in range(33)})
+    with pytest.raises(InvalidArgument) as info:
+        wire.metadata_from_wire(many, "items[0].metadata")
+    assert _fields(info.value) == ["items[0].metadata.engine_fields"]
+    kept = wire.metadata_from_wire(metadata(grid=(int64, [1, 2**10, 2**10]), seconds=(float64, [0.5])), "items[0].metadata")
+    assert kept.engine_fields["grid"].values == (1, 1024, 1024)
 
 
 def test_published_fields_become_typed_only_when_exact():
