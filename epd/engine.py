@@ -240,12 +240,22 @@ class Engine:
         what a metadata-only item must carry. Empty when vLLM has no metadata-only path."""
         return self._metadata_fields.get(modality, frozenset())
 
+    def _require_alive(self) -> None:
+        """A call that reaches a dead engine core is this instance's failure, not the caller's:
+        UNAVAILABLE, which the gateway retries on another instance. vLLM raises EngineDeadError,
+        which surfaced as INTERNAL, and its processor, which runs in this process, would still
+        lay a prompt out and blame the caller for what followed."""
+        if not self.alive:
+            raise Unavailable("this instance's vLLM engine core has died; it reports NOT_SERVING until it is restarted")
+
     async def render(self, prompt: dict[str, Any], field: str) -> RenderedPrompt:
         """Runs vLLM's processor on a prompt dict (token ids, multimodal data and uuids).
 
         Raises:
             InvalidArgument: vLLM rejected the prompt or its items (``field`` is blamed).
+            Unavailable: the engine core has died.
         """
+        self._require_alive()
         try:
             (engine_input,) = await self._llm.renderer.render_cmpl_async([prompt])
         except Exception as exc:  # vLLM's processor raises ValueError, AssertionError, RuntimeError...
@@ -269,11 +279,15 @@ class Engine:
 
         Raises:
             InvalidArgument: vLLM refused the request (sampling values, prompt too long).
-            Unavailable: the engine failed the request (e.g. embeddings or KV could not be read).
+            Unavailable: the engine failed the request (e.g. embeddings or KV could not be read),
+                or its core died.
         """
         from vllm import SamplingParams
         from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        self._require_alive()
 
         max_tokens = max_tokens or sampling.max_tokens
         extra_args = {}
@@ -319,6 +333,8 @@ class Engine:
                     kv_handoff=kv_handoff,
                     ec_transfer_params=output.ec_transfer_params if finished else None,
                 )
+        except EngineDeadError as exc:  # the core died while this request ran
+            raise Unavailable(f"this instance's vLLM engine core died while request {request_id} ran") from exc
         except VLLMClientError as exc:
             field = (
                 f"sampling.{exc.parameter}"
@@ -327,7 +343,7 @@ class Engine:
             )
             raise InvalidArgument.for_field(field, str(exc)) from exc
         finally:
-            if not finished:
+            if not finished and self.alive:  # a dead core has nothing left to abort
                 await self._llm.abort(request_id)
 
     async def _why_failed(self, request_id: str, finish_reason: Any) -> str:
@@ -370,6 +386,7 @@ class Engine:
         before it is scheduled makes the NixlConnector notify the prefill, which frees the blocks
         as if they had been read.
         """
+        self._require_alive()
         await self._llm.notify_kv_transfer_request_rejected(f"{request_id}-release-{uuid.uuid4().hex[:8]}", kv_params_for_decode(handoff))
         # A decode that has not talked to this prefill yet first handshakes with it in the
         # background, and sends the notification only at its next engine step, which an idle

@@ -13,8 +13,11 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from cli.launcher import gateway_args
 from devkit.media import synthetic_image_png
+from epd import wire
 from epd.client import chat_request, generate
+from epd.domain import ChatMessage, Role, TextPart
 from epd.telemetry import scrape
+from epd.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from tests.helpers import SMALL_KV_CACHE, gateway_stub, wait_for_metric
 
 SERVICES = {
@@ -163,7 +166,19 @@ async def test_readiness_follows_the_engine(family_stack):
                 if all(s == health_pb2.HealthCheckResponse.NOT_SERVING for s in statuses.values()):
                     break
                 await asyncio.sleep(0.5)
+            # A call that still reaches it is UNAVAILABLE (retried elsewhere by a gateway), not
+            # INTERNAL: the instance failed, not the request.
+            request = decode_pb2.DecodeRequest(
+                request_id="to-a-dead-engine",
+                prompt=wire.engine_prompt_to_wire(chat=[ChatMessage(Role.USER, (TextPart("Hello"),))]),
+                sampling=common_pb2.SamplingParams(max_tokens=4, temperature=0),
+            )
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                async for _ in decode_pb2_grpc.DecodeServiceStub(channel).Decode(request, timeout=30):
+                    pass
         assert all(s == health_pb2.HealthCheckResponse.NOT_SERVING for s in statuses.values()), statuses
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
+        assert "engine core has died" in refused.value.details()
 
 
 async def test_idle_services_leave_the_cpu_idle(family_stack):
