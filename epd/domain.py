@@ -3,6 +3,7 @@ convert at the edge (``epd.wire``) and everything behind them works on these typ
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import functools
 import hashlib
@@ -230,6 +231,11 @@ class Sampling:
     stop: tuple[str, ...] = ()
     min_tokens: int = 0
 
+    def after(self, generated: int) -> Sampling:
+        """The budget left once ``generated`` tokens of the reply exist: what an engine that
+        continues after them is given, so the reply ends where an uninterrupted one would."""
+        return dataclasses.replace(self, max_tokens=self.max_tokens - generated, min_tokens=max(0, self.min_tokens - generated))
+
 
 @dataclass(frozen=True)
 class KvHandoff:
@@ -258,6 +264,9 @@ class EngineRequest:
     prompt_token_ids: tuple[int, ...] = ()
     chat: tuple[ChatMessage, ...] = ()
     kv_handoff: KvHandoff | None = None
+    # The reply so far, appended after the rendered prompt (a resumed request); ``sampling`` is
+    # then the budget left after them (:meth:`Sampling.after`).
+    continuation: tuple[int, ...] = ()
 
 
 class Role(enum.Enum):
@@ -293,6 +302,7 @@ class GenerateRequest:
     request_id: str
     messages: tuple[ChatMessage, ...]
     sampling: Sampling
+    continuation: tuple[int, ...] = ()  # the reply's first tokens, from a run that broke off
 
     def __post_init__(self) -> None:
         # Hashed where the request is built (in a worker thread, for a large one), never later on

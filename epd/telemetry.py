@@ -45,6 +45,9 @@ STAGE_INSTANCE_UP = Gauge(
 )
 STAGE_EJECTIONS = Counter("epd_stage_ejections_total", "Stage instances taken out of the gateway's rotation after a failed call", ["stage"])
 RETRIES = Counter("epd_gateway_retries_total", "Requests retried on other instances after a stage failed before the first token", ["stage"])
+RESUMES = Counter(
+    "epd_gateway_resumes_total", "Streams resumed on other instances after a stage failed mid-reply (from the prompt and the tokens already sent)", ["stage"]
+)
 LOCAL_PREFILLS = Counter("epd_gateway_local_prefills_total", "E/P/D requests a decode instance prefilled itself, no prefill instance being live (--local-prefill-fallback)")
 ENCODER_ITEMS = Counter("epd_encoder_items_total", "Media items encoded, by modality", ["modality"])
 ENCODER_SECONDS = Histogram(

@@ -169,9 +169,15 @@ def generate_request_from_wire(msg: gateway_pb2.GenerateRequest) -> GenerateRequ
         sampling = sampling_from_wire(msg.sampling)
     except InvalidArgument as exc:
         violations += exc.violations
+    if len(msg.continuation_token_ids) >= max(msg.sampling.max_tokens, 1):
+        violations.append(
+            FieldViolation("continuation_token_ids", f"holds {len(msg.continuation_token_ids)} tokens, leaving nothing of max_tokens {msg.sampling.max_tokens} to generate")
+        )
     if violations:
         raise InvalidArgument("invalid GenerateRequest: " + "; ".join(f"{v.field} {v.description}" for v in violations), violations)
-    return GenerateRequest(request_id=msg.request_id or uuid.uuid4().hex, messages=tuple(messages), sampling=sampling)
+    return GenerateRequest(
+        request_id=msg.request_id or uuid.uuid4().hex, messages=tuple(messages), sampling=sampling, continuation=tuple(msg.continuation_token_ids)
+    )
 
 
 def media_paths(request: GenerateRequest) -> list[str]:
@@ -587,6 +593,7 @@ def _engine_request_from_wire(msg) -> EngineRequest:
         prompt_token_ids=tuple(msg.prompt.token_ids),
         chat=_engine_chat_from_wire(msg.prompt, items),
         kv_handoff=kv,
+        continuation=tuple(msg.prompt.continuation_token_ids),
     )
 
 
@@ -621,8 +628,9 @@ def _engine_chat_from_wire(prompt: engine_pb2.EnginePrompt, items: tuple[Encoded
     return tuple(messages)
 
 
-def engine_prompt_to_wire(token_ids: Sequence[int] = (), chat: Sequence[ChatMessage] = ()) -> engine_pb2.EnginePrompt:
-    """An engine prompt: token ids, or a chat whose media parts are item markers."""
+def engine_prompt_to_wire(token_ids: Sequence[int] = (), chat: Sequence[ChatMessage] = (), continuation: Sequence[int] = ()) -> engine_pb2.EnginePrompt:
+    """An engine prompt: token ids, or a chat whose media parts are item markers; then the
+    reply's tokens so far, if any."""
     messages = [
         engine_pb2.EngineChatMessage(
             role=_ROLE_TO_WIRE[message.role],
@@ -633,7 +641,7 @@ def engine_prompt_to_wire(token_ids: Sequence[int] = (), chat: Sequence[ChatMess
         )
         for message in chat
     ]
-    return engine_pb2.EnginePrompt(token_ids=list(token_ids), chat=messages)
+    return engine_pb2.EnginePrompt(token_ids=list(token_ids), chat=messages, continuation_token_ids=list(continuation))
 
 
 def prefill_request_from_wire(msg: prefill_pb2.PrefillRequest) -> EngineRequest:
@@ -647,7 +655,7 @@ def decode_request_from_wire(msg: decode_pb2.DecodeRequest) -> EngineRequest:
 def prefill_request_to_wire(request: EngineRequest) -> prefill_pb2.PrefillRequest:
     return prefill_pb2.PrefillRequest(
         request_id=request.request_id,
-        prompt=engine_prompt_to_wire(request.prompt_token_ids, request.chat),
+        prompt=engine_prompt_to_wire(request.prompt_token_ids, request.chat, request.continuation),
         items=[encoded_item_to_wire(i) for i in request.items],
         sampling=sampling_to_wire(request.sampling),
     )
@@ -657,7 +665,7 @@ def decode_request_to_wire(request: EngineRequest) -> decode_pb2.DecodeRequest:
     """Decode with a KV handoff gets metadata only; combined decode also gets the handles."""
     msg = decode_pb2.DecodeRequest(
         request_id=request.request_id,
-        prompt=engine_prompt_to_wire(request.prompt_token_ids, request.chat),
+        prompt=engine_prompt_to_wire(request.prompt_token_ids, request.chat, request.continuation),
         items=[encoded_item_to_wire(i, with_embedding=request.kv_handoff is None) for i in request.items],
         sampling=sampling_to_wire(request.sampling),
     )

@@ -74,6 +74,7 @@ class Finished:
     reason: FinishReason
     usage: Usage
     timings: Timings
+    resumed_after: tuple[int, ...] = ()  # the reply's length at each resume on another instance
 
 
 Event = Delta | Finished
@@ -89,8 +90,10 @@ class RequestClock:
         self.timings = Timings()
         self._last_token: float | None = None
         self._decode_started: float | None = None
-        self.tokens = 0
+        self.tokens = 0  # streamed by this call
+        self.continued = 0  # the reply's tokens the request came with (its continuation_token_ids)
         self.prompt_tokens = 0  # the expanded prompt, once the engine that decodes has it
+        self.resumed_after: list[int] = []  # the reply's length at each resume
         self.multimodal_tokens = 0
 
     def decoding(self) -> None:
@@ -106,8 +109,12 @@ class RequestClock:
         self._last_token = now
         self.tokens += count
 
+    def finished(self, reason: FinishReason) -> Finished:
+        """The request's end, its timings taken now."""
+        return Finished(reason, self.usage(), self.finish(), tuple(self.resumed_after))
+
     def usage(self) -> Usage:
-        return Usage(self.prompt_tokens, self.tokens, self.multimodal_tokens)
+        return Usage(self.prompt_tokens, self.continued + self.tokens, self.multimodal_tokens)
 
     def snapshot(self) -> Timings:
         """The timings so far (a decode still running counts until now)."""
@@ -173,33 +180,46 @@ class DisaggregatedPipeline:
                 await client.pool.close()
 
     async def generate(self, request: GenerateRequest, deadline: float | None, clock: RequestClock | None = None) -> AsyncIterator[Event]:
-        """Runs the request, retrying it from the encoder on other instances when a stage
-        fails before the first token (see :class:`RetryPolicy`); after the first token a
-        failure ends the stream, saying how many tokens were sent."""
+        """Runs the request; when a stage fails, runs it again on other instances (see
+        :class:`RetryPolicy`). Before the first token that is a retry from the encoder; after
+        it, a resume: the new attempt continues the reply from the prompt plus every token
+        already streamed (the encoder answers from its cache, the prefill from its prefix
+        cache), so the client's stream goes on with no token repeated or missing. Aborts and
+        the client's deadline end the request instead."""
         clock = clock or RequestClock()
         check_media(request, self.limits)
         check_chat_size(request.messages, self.max_prompt_bytes)
+        clock.continued = len(request.continuation)
+        reply = list(request.continuation)  # the reply so far, in every attempt
         avoid: set[str] = set()
         for attempt in range(1, self.retry.max_attempts + 1):
             try:
-                async with contextlib.aclosing(self._attempt(request, clock, frozenset(avoid), deadline)) as events:
+                continued = dataclasses.replace(request, continuation=tuple(reply))
+                async with contextlib.aclosing(self._attempt(continued, clock, frozenset(avoid), deadline)) as events:
                     async for event in events:
+                        if isinstance(event, Delta):
+                            reply += event.token_ids
                         yield event
                 return
             except (Unavailable, Aborted) as exc:
                 # Aborted: the prefill's KV lease ran out before a decode took it (a busy host);
                 # no instance is to blame, so none is avoided on the next try.
-                if clock.tokens:
-                    raise Unavailable(f"{exc.message} (after {clock.tokens} tokens were sent)") from exc
                 delay = self.retry.delay(attempt)
                 left = time_left(deadline)
                 if attempt == self.retry.max_attempts or (left is not None and left <= delay):
+                    if clock.tokens:
+                        raise Unavailable(f"{exc.message} (after {clock.tokens} tokens were sent, and {attempt} attempts)") from exc
                     raise
                 stage = getattr(exc, "stage", "kv_lease" if isinstance(exc, Aborted) else "routing")
                 if isinstance(exc, StageFailed):
                     avoid |= exc.suspects
-                logger.warning("request %s: attempt %d failed before its first token (%s); retrying", request.request_id, attempt, exc.message)
-                telemetry.RETRIES.labels(stage=stage).inc()
+                if clock.tokens:
+                    logger.warning("request %s: attempt %d failed after %d tokens (%s); resuming after them", request.request_id, attempt, clock.tokens, exc.message)
+                    clock.resumed_after.append(len(reply))
+                    telemetry.RESUMES.labels(stage=stage).inc()
+                else:
+                    logger.warning("request %s: attempt %d failed before its first token (%s); retrying", request.request_id, attempt, exc.message)
+                    telemetry.RETRIES.labels(stage=stage).inc()
                 await asyncio.sleep(delay)
 
     async def _attempt(self, request: GenerateRequest, clock: RequestClock, avoid: frozenset[str], deadline: float | None) -> AsyncIterator[Event]:
@@ -219,21 +239,23 @@ class DisaggregatedPipeline:
                 # vLLM 0.32 cannot mix metadata-only and raw items in one prompt (its processor
                 # then misses the metadata-only ones), so one item that needs its media sends all.
                 items = [dataclasses.replace(item, forwarded_media=media) for item, media in zip(items, request.media, strict=True)]
-            engine_request = EngineRequest(request.request_id, tuple(items), request.sampling, chat=request.engine_chat())
+            engine_request = EngineRequest(
+                request.request_id, tuple(items), request.sampling.after(len(request.continuation)), chat=request.engine_chat(), continuation=request.continuation
+            )
             if self.prefills is not None and not self._prefill_on_decode(request.request_id):
                 started = time.perf_counter()
                 prefilled = await self.prefills.prefill(engine_request, deadline, avoid)
                 handoff, prefill_address = prefilled.kv_handoff, prefilled.address
                 clock.timings.prefill = time.perf_counter() - started
                 # The decode runs the very token ids whose KV the prefill left.
-                engine_request = dataclasses.replace(engine_request, prompt_token_ids=prefilled.prompt_token_ids, chat=(), kv_handoff=handoff)
+                engine_request = dataclasses.replace(engine_request, prompt_token_ids=prefilled.prompt_token_ids, chat=(), continuation=(), kv_handoff=handoff)
             clock.decoding()
             try:
                 async for event in self.decodes.decode(engine_request, deadline, avoid):
                     decode_answered = True  # its engine has read the KV: vLLM frees it from here on
-                    clock.prompt_tokens = event.prompt_token_count
+                    clock.prompt_tokens = event.prompt_token_count - len(request.continuation)  # the engine's prompt holds them
                     if isinstance(event, DecodeEnd):
-                        yield Finished(event.reason, clock.usage(), clock.finish())
+                        yield clock.finished(event.reason)
                         continue
                     clock.token(len(event.token_ids))
                     yield Delta(event.token_ids, event.text)
@@ -282,7 +304,7 @@ class MonolithicPipeline:
         clock = clock or RequestClock()
         check_media(request, self.limits)
         check_chat_size(request.messages, self.max_prompt_bytes)
-        prompt: dict = {"prompt_token_ids": await self.renderer.render_on_loop(request.messages)}
+        prompt: dict = {"prompt_token_ids": await self.renderer.render_on_loop(request.messages) + list(request.continuation)}
         media = request.media
         if media:
             check_modalities(media, wire.media_paths(request), self.engine.modalities)
@@ -296,10 +318,11 @@ class MonolithicPipeline:
         rendered = await self.engine.render(prompt, "messages")
         clock.multimodal_tokens = sum(length for _, length, _ in rendered.placeholders)
         clock.decoding()  # one engine does it all: its time is the decode's
-        async for step in self.engine.generate(request.request_id, rendered, request.sampling):
-            clock.prompt_tokens = step.prompt_token_count
+        clock.continued = len(request.continuation)
+        async for step in self.engine.generate(request.request_id, rendered, request.sampling.after(clock.continued)):
+            clock.prompt_tokens = step.prompt_token_count - clock.continued
             if step.token_ids:
                 clock.token(len(step.token_ids))
                 yield Delta(step.token_ids, step.text)
             if step.finish_reason is not None:
-                yield Finished(step.finish_reason, clock.usage(), clock.finish())
+                yield clock.finished(step.finish_reason)

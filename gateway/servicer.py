@@ -51,7 +51,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             while (event := await run.next()) is not None:
                 yield _event_to_wire(event)
         except RunCancelled:  # by Abort; a dropped client is no longer reading
-            yield _event_to_wire(Finished(FinishReason.ABORT, clock.usage(), clock.snapshot()))
+            yield _event_to_wire(Finished(FinishReason.ABORT, clock.usage(), clock.snapshot(), tuple(clock.resumed_after)))
         finally:
             del self._in_flight[generate.request_id]
             await run.close()
@@ -101,5 +101,6 @@ def _event_to_wire(event) -> gateway_pb2.GenerateResponse:
                 time_to_first_token=_duration(t.time_to_first_token),
                 total=_duration(t.total),
             ),
+            resumed_after_tokens=event.resumed_after,
         )
     )

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import secrets
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator
@@ -47,7 +48,7 @@ _KV_TAKE_MARGIN_S = 3.0
 class PrefillResult:
     first_token_id: int
     kv_handoff: KvHandoff
-    prompt_token_ids: tuple[int, ...]  # as rendered, placeholders unexpanded: what its decode runs
+    prompt_token_ids: tuple[int, ...]  # as rendered (continuation included), placeholders unexpanded: what its decode runs
     prompt_token_count: int  # expanded
     engine_s: float
 
@@ -69,12 +70,19 @@ class EngineStage:
         started = time.perf_counter()
         last: EngineStep | None = None
         async for step in self.engine.generate(
-            f"{request.request_id}-prefill", prompt, request.sampling, kv_params=kv_params_for_prefill(), ec_params=self._ec_params(request), max_tokens=1
+            self._prefill_request_id(request.request_id), prompt, request.sampling, kv_params=kv_params_for_prefill(), ec_params=self._ec_params(request), max_tokens=1
         ):
             last = step
         if last is None or last.kv_handoff is None or not last.token_ids:
             raise Unavailable("prefill engine finished without a KV handoff")
         return PrefillResult(last.token_ids[0], last.kv_handoff, token_ids, last.prompt_token_count, time.perf_counter() - started)
+
+    @staticmethod
+    def _prefill_request_id(request_id: str) -> str:
+        """The prefill's engine request id, which its handoff carries as ``remote_request_id``.
+        Unguessable: the prefill's vLLM frees a request's KV for whoever names that id (a
+        release, or a decode's read), so only the handoff's holder can."""
+        return f"{request_id}-prefill-{secrets.token_hex(12)}"
 
     async def decode(self, request: EngineRequest) -> AsyncIterator[EngineStep]:
         """Streams the reply: from a KV handoff (decode mode), or the whole generation (E+PD:
@@ -114,6 +122,8 @@ class EngineStage:
             if not request.prompt_token_ids:
                 # Rendered again here, a chat could come out other than the KV's tokens.
                 raise InvalidArgument.for_field("prompt.token_ids", "is required with a kv_handoff: the prompt_token_ids its prefill returned")
+            if request.continuation:
+                raise InvalidArgument.for_field("prompt.continuation_token_ids", "must be empty with a kv_handoff: its prefill's prompt_token_ids hold them")
             return  # the KV holds the embeddings; handles are ignored
         violations = []
         for index, item in enumerate(request.items):
@@ -135,10 +145,10 @@ class EngineStage:
         )
 
     async def _token_ids(self, request: EngineRequest) -> tuple[int, ...]:
-        """The prompt's token ids, the chat rendered here if it came as one."""
-        if request.prompt_token_ids:
-            return request.prompt_token_ids
-        return tuple(await self.renderer.render_on_loop(request.chat, "prompt.chat"))
+        """The prompt's token ids, the chat rendered here if it came as one, then the reply's
+        tokens so far (a resumed request)."""
+        rendered = request.prompt_token_ids or tuple(await self.renderer.render_on_loop(request.chat, "prompt.chat"))
+        return rendered + request.continuation
 
     async def _prompt(self, request: EngineRequest, token_ids: tuple[int, ...]) -> RenderedPrompt:
         """vLLM's prompt for the request, rendered, with its layout checked against the encoder's."""

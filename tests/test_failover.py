@@ -4,8 +4,8 @@ Next to the shared Qwen2.5-VL stack, the tests start a second encoder, prefill a
 kill them with SIGKILL under load: requests in flight on a killed encoder or prefill are retried
 on the survivors before their first token, so none fails and all tokens equal monolithic; the
 gateway stops routing to the dead instance, says NOT_SERVING when a stage has none left, and
-takes a restarted instance (same address) back by itself. A decode killed mid-stream ends its
-stream promptly with UNAVAILABLE saying how many tokens were sent; later requests are served.
+takes a restarted instance (same address) back by itself. (A decode killed mid-stream costs no
+stream either: test_resume.)
 """
 
 from __future__ import annotations
@@ -173,7 +173,8 @@ async def test_killing_an_encoder_and_a_prefill_under_load_fails_no_request(fami
             stack.services.remove(service)
 
 
-async def test_a_decode_killed_mid_stream_ends_its_stream_and_later_requests_are_served(family_stack, spares):
+async def test_a_killed_decode_leaves_the_rotation_and_a_reborn_one_rejoins(family_stack, spares):
+    """(A decode killed mid-stream costs no stream: test_resume.)"""
     oracle = await _oracle(family_stack)
     stack, model = family_stack.stack, family_stack.model
     doomed = spares.decode
@@ -183,30 +184,8 @@ async def test_a_decode_killed_mid_stream_ends_its_stream_and_later_requests_are
         gateway = stack.start("gateway-decode-failover", [*args, "--metrics-port", "0"])
         stack.wait_ready([gateway], timeout=120)
         stub = gateway_stub(gateway.address)
-        # A stream on the doomed decode: the gateway prefers instances whose health it has heard
-        # from, and ties rotate, so within a few tries one lands there. The stream is long enough
-        # (seconds at a few ms per token) that the kill always lands before it could finish.
-        in_flight = "epd_requests_in_flight{service=decode}"
-        for _ in range(4):
-            stream = stub.Generate(_request(2, max_tokens=3000), timeout=120)
-            first = await stream.read()
-            assert first.HasField("delta") and first.delta.token_ids
-            # Each try starts with both decodes idle (below), so this stream is the one in flight.
-            if scrape(doomed.metrics_port).get(in_flight) == 1.0 and scrape(family_stack.decode.metrics_port).get(in_flight, 0.0) == 0.0:
-                break
-            stream.cancel()
-            for decode in (doomed, family_stack.decode):
-                assert await wait_for_metric(decode.metrics_port, in_flight, 0.0, timeout=30, absent=0.0) == 0.0, f"{decode.name} still serves a cancelled stream"
-        else:
-            pytest.fail("no stream reached the doomed decode in 4 tries")
         doomed.kill()
-        killed = time.monotonic()
-        with pytest.raises(grpc.aio.AioRpcError) as ended:
-            while (response := await stream.read()) is not grpc.aio.EOF:
-                assert not response.HasField("finished"), "the stream finished on a dead decode"
-        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "tokens were sent" in ended.value.details()
-        assert time.monotonic() - killed < 10
+        assert await wait_for_metric(gateway.metrics_port, f"epd_stage_instance_up{{address={doomed.address},stage=decode}}", 0.0, timeout=30) == 0.0
         for i in range(2):
             assert (await generate(stub, _request(i), timeout=120)).token_ids == oracle[i]
 

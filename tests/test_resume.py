@@ -1,0 +1,97 @@
+"""A decode that dies mid-stream costs no stream (issue 31), in E/P/D and E+PD, fp32 and bf16.
+
+Each test starts a second decode beside its family's stack, opens a long greedy stream that
+lands on it, and SIGKILLs it (service and engine core) after the first tokens. The gateway
+resumes the request on the surviving decode from the prompt plus every token already streamed,
+so the client's stream goes on. The oracle: the tokens after the resume equal what the
+monolithic engine generates given the prompt and the tokens streamed before the death (the
+public ``continuation_token_ids``), and the tokens before it equal the uninterrupted monolithic
+run's. Usage is that of one request. Whether the whole stream also equals the uninterrupted
+run is printed: a resumed greedy reply prefills its tokens where the uninterrupted run decoded
+them one by one, so a near-tie may round the other way (the chaos benchmark counts how often).
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+
+from cli.launcher import gateway_args
+from devkit.media import synthetic_image_png
+from epd.client import chat_request, generate
+from epd.telemetry import scrape
+from tests.conftest import BF16, DEFAULT_FAMILY, DISAGGREGATED_MODES, stack_key
+from tests.helpers import SMALL_KV_CACHE, gateway_stub, stream_landing_on
+
+OMNI = stack_key("qwen2_5_omni", BF16)
+_IMAGE = synthetic_image_png(112, 96, seed=31)
+# Long enough that the kill lands mid-stream (a few ms a token on the doomed decode), short
+# enough that the survivor and the two oracle runs finish in seconds.
+_TOKENS = 600
+
+
+def _request():
+    return chat_request([(_IMAGE, "image/png"), "Tell a long story about this picture."], max_tokens=_TOKENS, min_tokens=_TOKENS)
+
+
+@pytest.mark.parametrize("family", [DEFAULT_FAMILY, OMNI])
+@pytest.mark.parametrize("mode", DISAGGREGATED_MODES)
+async def test_a_stream_survives_its_decodes_death_with_the_oracles_tokens(family_stack, family, mode):
+    stack, model, survivor = family_stack.stack, family_stack.model, family_stack.decode
+    dtype = family.partition("@")[2] or "float32"
+    doomed = stack.start(f"decode-doomed-{mode}", ["decode", "--model", model, "--mode", "decode", "--dtype", dtype, "--metrics-port", "0", *SMALL_KV_CACHE])
+    gateway = None
+    try:
+        stack.wait_listening([doomed])
+        stages = {"encoders": [family_stack.encoder.address], "decodes": [doomed.address, survivor.address]}
+        if mode == "epd":
+            stages["prefills"] = [family_stack.prefill.address]
+        gateway = stack.start(f"gateway-resume-{mode}", [*gateway_args(model, mode, **stages), "--metrics-port", "0"])
+        stack.wait_ready([doomed, gateway], timeout=600)
+        gateway.wait_serving()
+        monolithic = family_stack.gateway_stub("monolithic")
+        uninterrupted = await generate(monolithic, _request(), timeout=300)
+        assert len(uninterrupted.token_ids) == _TOKENS
+
+        stream, first = await stream_landing_on(gateway_stub(gateway.address), _request(), doomed, [survivor])
+        doomed.kill()
+        killed = time.monotonic()
+        deltas, finished = [first.delta], None
+        while (response := await stream.read()) is not grpc.aio.EOF:
+            if response.HasField("finished"):
+                finished = response.finished
+            else:
+                deltas.append(response.delta)
+        assert finished is not None, "the stream ended without its finished message"
+        tokens = [t for d in deltas for t in d.token_ids]
+        (resumed_after,) = finished.resumed_after_tokens
+        print(f"\n{family} {mode}: resumed after {resumed_after} of {len(tokens)} tokens, {time.monotonic() - killed:.1f} s after the kill; "
+              f"whole stream equal to the uninterrupted run: {tokens == uninterrupted.token_ids}")
+        assert 0 < resumed_after < _TOKENS
+        assert tokens[:resumed_after] == uninterrupted.token_ids[:resumed_after]
+
+        continued = _request()
+        continued.continuation_token_ids.extend(tokens[:resumed_after])
+        oracle = await generate(monolithic, continued, timeout=300)
+        assert tokens[resumed_after:] == oracle.token_ids
+        # The resumed deltas start at the resume (the dead decode's last one ended before it).
+        counted, text_after = 0, []
+        for delta in deltas:
+            if counted >= resumed_after:
+                text_after.append(delta.text)
+            counted += len(delta.token_ids)
+        assert "".join(text_after) == oracle.text
+
+        # One request's counts: the uninterrupted run's prompt, every token of the reply.
+        assert finished.finish_reason == uninterrupted.finished.finish_reason
+        assert finished.usage.prompt_tokens == uninterrupted.finished.usage.prompt_tokens == oracle.finished.usage.prompt_tokens
+        assert finished.usage.completion_tokens == _TOKENS == oracle.finished.usage.completion_tokens
+        assert finished.usage.multimodal_tokens == uninterrupted.finished.usage.multimodal_tokens
+        assert scrape(gateway.metrics_port).get("epd_gateway_resumes_total{stage=decode}") == 1.0
+    finally:
+        for service in (gateway, doomed):
+            if service is not None:
+                service.stop()
+                stack.services.remove(service)
