@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--rate", type=float, default=None, help="serving: Poisson request rate per second")
     parser.add_argument("--num-requests", type=int, default=None, help="serving: requests per run")
-    parser.add_argument("--duration-s", type=float, default=None, help="serving: seconds of arrivals per run (sets --num-requests from --rate)")
+    parser.add_argument("--duration-s", type=float, default=None, help="serving: seconds of arrivals per run (sets --num-requests from --rate); chaos: seconds of load")
     parser.add_argument("--max-concurrency", type=int, default=None, help="serving: most requests in flight (arrivals wait for a slot)")
     parser.add_argument("--repeats", type=int, default=None, help="repeats per measurement (medians are reported)")
     parser.add_argument("--iterations", type=int, default=None, help="handoff: transfers per size")

@@ -51,6 +51,7 @@ EXPERIMENTS: dict[str, Experiment] = {
         Experiment("encoder_cache", "bench.encoder_cache"),
         Experiment("faults", "bench.faults"),
         Experiment("soak", "bench.soak", ("num_requests",)),
+        Experiment("chaos", "bench.chaos", ("duration_s",)),
     )
 }
 SCHEMA_VERSION = 2  # 2: the vLLM encoder and EC connector (handoff, cold_start and serving changed)

@@ -56,7 +56,7 @@ def _instance_up(gateway: ServiceProcess, stage: str, address: str) -> float | N
     return scrape(gateway.metrics_port).get(f"epd_stage_instance_up{{address={address},stage={stage}}}")
 
 
-async def _wait_gauge(gateway: ServiceProcess, stage: str, address: str, wanted: float, timeout: float) -> float | None:
+async def wait_gauge(gateway: ServiceProcess, stage: str, address: str, wanted: float, timeout: float) -> float | None:
     """Seconds until the gateway's view of the instance reads ``wanted`` (None: never)."""
     started = time.perf_counter()
     while time.perf_counter() - started < timeout:
@@ -66,7 +66,7 @@ async def _wait_gauge(gateway: ServiceProcess, stage: str, address: str, wanted:
     return None
 
 
-async def _wait_port_closed(address: str, timeout: float) -> float | None:
+async def wait_port_closed(address: str, timeout: float) -> float | None:
     """Seconds until the address refuses connections: the killed process has exited (its sockets
     close last, after its memory is torn down), so the gateway could have seen it go."""
     host, port = address.rsplit(":", 1)
@@ -83,7 +83,9 @@ async def _wait_port_closed(address: str, timeout: float) -> float | None:
     return None
 
 
-def _start(stack: Stack, model: str) -> dict[str, ServiceProcess]:
+def start_two_of_each(stack: Stack, model: str) -> dict[str, ServiceProcess]:
+    """Two encoders, prefills and decodes (``encoder0`` ... ``decode1``) and an E/P/D
+    ``gateway`` over them, every one exporting metrics."""
     services = {}
     for stage, args in (("encoder", ["encoder"]), ("prefill", ["prefill"]), ("decode", ["decode", "--mode", "decode"])):
         for index in range(2):
@@ -120,7 +122,7 @@ def _first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-def _restart_args(victim: ServiceProcess, stage: str, model: str) -> list[str]:
+def restart_args(victim: ServiceProcess, stage: str, model: str) -> list[str]:
     args = {"encoder": ["encoder"], "prefill": ["prefill"], "decode": ["decode", "--mode", "decode"]}[stage]
     return [*args, "--model", model, "--port", str(victim.port), "--metrics-port", "0"]
 
@@ -136,16 +138,16 @@ async def _scenario(stack: Stack, services: dict[str, ServiceProcess], stage: st
     await asyncio.sleep(load_s)
     killed_at = time.perf_counter()
     victim.kill()
-    gone_s, eject_s = await asyncio.gather(_wait_port_closed(victim.address, 30), _wait_gauge(gateway, stage, victim.address, 0.0, 30))
+    gone_s, eject_s = await asyncio.gather(wait_port_closed(victim.address, 30), wait_gauge(gateway, stage, victim.address, 0.0, 30))
     victim.process.wait(30)
     stack.services.remove(victim)
     result: dict[str, Any] = {"stage": stage, "gone_s": gone_s, "eject_s": eject_s}
     if stage == "decode":
         await asyncio.sleep(load_s)
     else:
-        reborn = stack.start(f"{stage}1-restarted", _restart_args(victim, stage, model))
+        reborn = stack.start(f"{stage}1-restarted", restart_args(victim, stage, model))
         await asyncio.to_thread(stack.wait_ready, [reborn], 900)
-        result["rejoin_s"] = await _wait_gauge(gateway, stage, reborn.address, 1.0, 60)
+        result["rejoin_s"] = await wait_gauge(gateway, stage, reborn.address, 1.0, 60)
         services[f"{stage}1"] = reborn
         await asyncio.sleep(load_s)
     stop.set()
@@ -189,7 +191,7 @@ def run(*, quick: bool = False, results_dir: pathlib.Path = RESULTS_DIR, command
     async def experiment() -> list[dict[str, Any]]:
         stack = Stack()
         try:
-            services = await asyncio.to_thread(_start, stack, model)
+            services = await asyncio.to_thread(start_two_of_each, stack, model)
             async with grpc.aio.insecure_channel(services["gateway"].address, options=CLIENT_OPTIONS) as channel:
                 stub = gateway_pb2_grpc.GatewayServiceStub(channel)
                 expected = {i: (await generate(stub, r, timeout=120)).token_ids for i, r in enumerate(requests)}

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import pathlib
 import time
+from collections.abc import Callable
 from typing import Any
 
 import grpc
@@ -42,7 +43,8 @@ _DRAIN_S = 30.0
 _END_STATE = {"encoder": "epd_arena_leases", "prefill": "vllm:kv_cache_usage_perc", "decode": "vllm:kv_cache_usage_perc"}
 
 
-def _tree_rss_mib(service: ServiceProcess) -> float:
+def tree_rss_mib(service: ServiceProcess) -> float:
+    """The RSS of a service and its engine processes."""
     root = psutil.Process(service.process.pid)
     total = 0
     for process in [root, *root.children(recursive=True)]:
@@ -51,6 +53,17 @@ def _tree_rss_mib(service: ServiceProcess) -> float:
         except psutil.NoSuchProcess:
             continue
     return total / 2**20
+
+
+async def drained(read: Callable[[], dict[str, float]], timeout_s: float) -> dict[str, float]:
+    """``read()`` once every value it returns is 0 (leases and KV are freed by asynchronous
+    notifications), or as it stands after ``timeout_s``."""
+    deadline = time.perf_counter() + timeout_s
+    state = read()
+    while any(v != 0 for v in state.values()) and time.perf_counter() < deadline:
+        await asyncio.sleep(0.5)
+        state = read()
+    return state
 
 
 def _end_state(services: dict[str, ServiceProcess]) -> dict[str, float]:
@@ -83,14 +96,14 @@ def run(*, quick: bool = False, num_requests: int | None = None, results_dir: pa
             args = gateway_args(model, "epd", encoders=[services["encoder"].address], prefills=[services["prefill"].address], decodes=[services["decode"].address])
             services["gateway"] = stack.start("gateway", [*args, "--metrics-port", "0"])
             await asyncio.to_thread(stack.wait_ready, [services["gateway"]], 300)
-            rss: list[dict[str, Any]] = [{"requests": 0, **{name: _tree_rss_mib(s) for name, s in services.items()}}]
+            rss: list[dict[str, Any]] = [{"requests": 0, **{name: tree_rss_mib(s) for name, s in services.items()}}]
             log: list[Sent] = []
             started = time.perf_counter()
 
             async def sample() -> None:
                 while len(rss) <= total // sample_every:
                     if len(log) >= len(rss) * sample_every:
-                        rss.append({"requests": len(log), **{name: _tree_rss_mib(s) for name, s in services.items()}})
+                        rss.append({"requests": len(log), **{name: tree_rss_mib(s) for name, s in services.items()}})
                         progress(f"{NAME}: {len(log)} requests, {sum(not s.record.ok for s in log)} lost, RSS MiB " + ", ".join(f"{k} {v:.0f}" for k, v in rss[-1].items() if k != "requests"))
                     await asyncio.sleep(0.2)
 
@@ -99,11 +112,7 @@ def run(*, quick: bool = False, num_requests: int | None = None, results_dir: pa
                 await closed_loop(gateway_pb2_grpc.GatewayServiceStub(channel), requests, CONCURRENCY, log, total=total)
                 await asyncio.wait_for(sampler, 30)
             duration = time.perf_counter() - started
-            deadline = time.perf_counter() + _DRAIN_S
-            state = _end_state(services)
-            while any(v != 0 for v in state.values()) and time.perf_counter() < deadline:
-                await asyncio.sleep(0.5)
-                state = _end_state(services)
+            state = await drained(lambda: _end_state(services), _DRAIN_S)
             return {"duration_s": duration, "log": log, "rss": rss, "end_state": state}
         finally:
             await asyncio.to_thread(stack.stop)

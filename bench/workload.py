@@ -137,6 +137,7 @@ class RequestRecord:
     itl_s: tuple[float, ...] = ()
     stages_s: dict[str, float] = dataclasses.field(default_factory=dict)  # as the gateway timed each stage call
     gateway_total_s: float = 0.0  # the gateway's own count, from the call's arrival to its last message
+    resumed_after: tuple[int, ...] = ()  # where the gateway resumed the reply on other instances
 
     @property
     def stage_s(self) -> float:
@@ -149,6 +150,7 @@ async def _send(stub, request) -> RequestRecord:
     stamps: list[float] = []
     stages: dict[str, float] = {}
     gateway_total = 0.0
+    resumed_after: tuple[int, ...] = ()
     try:
         async for response in stub.Generate(request, timeout=600):
             now = time.perf_counter()
@@ -159,13 +161,14 @@ async def _send(stub, request) -> RequestRecord:
                 t = response.finished.timings
                 stages = {name: getattr(t, name).ToNanoseconds() / 1e9 for name in STAGES}
                 gateway_total = t.total.ToNanoseconds() / 1e9
+                resumed_after = tuple(response.finished.resumed_after_tokens)
     except grpc.aio.AioRpcError as exc:
         return RequestRecord(False, f"{exc.code().name}: {exc.details()}")
     done = time.perf_counter()
     if not stamps:
         return RequestRecord(False, "no tokens")
     itl = tuple(b - a for a, b in zip(stamps, stamps[1:], strict=False))
-    return RequestRecord(True, "", tuple(tokens), stamps[0] - sent, done - sent, itl, stages, gateway_total)
+    return RequestRecord(True, "", tuple(tokens), stamps[0] - sent, done - sent, itl, stages, gateway_total, resumed_after)
 
 
 async def run_load(address: str, requests: Sequence[gateway_pb2.GenerateRequest], rate: float, seed: int, max_concurrency: int | None = None) -> dict:

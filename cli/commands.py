@@ -84,11 +84,12 @@ _HELP = {
     "tls_key": "PEM private key of --tls-cert",
     "tls_ca": "PEM CA that signs peers: verifies the servers this dials (TLS to them) and, with --require-client-cert, its clients",
     "require_client_cert": "mTLS: refuse clients without a certificate signed by --tls-ca",
+    "allowed_peers": "comma-separated certificate names (a SAN or the CN) of the only callers this service answers, PERMISSION_DENIED for others (health and reflection stay open); stages: the gateway's, and the encoder also its consumers' (prefill, decode); needs --require-client-cert; empty: any certificate --tls-ca signs",
     "http_port": "serve the OpenAI-compatible API (/v1/chat/completions, /v1/models) on --host at this port; 0 picks a free one, -1: off",
     "allowed_media_domains": "comma-separated hosts (exact names, no subdomains) the HTTP front may fetch media URLs from; empty: URLs refused",
     "media_fetch_timeout_s": "limit on fetching all remote media of one request, redirects included",
 }
-_SERVER_TLS_FIELDS = ("tls_cert", "tls_key", "tls_ca", "require_client_cert")
+_SERVER_TLS_FIELDS = ("tls_cert", "tls_key", "tls_ca", "require_client_cert", "allowed_peers")
 _HTTP_FIELDS = ("http_port", "allowed_media_domains", "media_fetch_timeout_s")
 _CLIENT_TLS_FIELDS = ("tls_ca", "tls_cert", "tls_key")
 

@@ -33,7 +33,7 @@ from epd.domain import FinishReason, KvHandoff, Modality, Sampling
 from epd.errors import InvalidArgument, Unavailable
 from epd.ports import free_port
 from epd.security import TlsConfig
-from epd.transport import EC_CONNECTOR_MODULE, KV_CONNECTOR_MODULE
+from epd.transport import EC_CONNECTOR_MODULE, HANDOFF_REFUSED, KV_CONNECTOR_MODULE
 
 logger = logging.getLogger(__name__)
 
@@ -235,6 +235,16 @@ class Engine:
         counters = SharedCounters(buffer.tensor, ARENA_COUNTERS if producer else RECEIVE_COUNTERS)
         return {name: (lambda name=name: counters.get(name)) for name in (ARENA_COUNTERS if producer else RECEIVE_COUNTERS)}
 
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self._llm.vllm_config.parallel_config.tensor_parallel_size
+
+    @property
+    def kv_block_size(self) -> int:
+        """Tokens per KV-cache block: a prefill's handoff holds a block list of at most
+        ceil(prompt / this) per group. Available once the engine has started."""
+        return self._llm.vllm_config.cache_config.block_size
+
     def metadata_fields(self, modality: Modality) -> frozenset[str]:
         """The per-item fields this model declares as placeholder metadata for ``modality``:
         what a metadata-only item must carry. Empty when vLLM has no metadata-only path."""
@@ -320,8 +330,12 @@ class Engine:
                     reason = _FINISH.get(str(completion.finish_reason))
                     if reason is None:
                         # vLLM's "error": the engine failed this request alone, e.g. an embedding
-                        # or KV load that did not complete. Retryable, never a silent empty reply.
-                        raise Unavailable(f"engine failed request {request_id}: {await self._why_failed(request_id, completion.finish_reason)}")
+                        # or KV load that did not complete. Retryable, never a silent empty reply;
+                        # unless the KV handoff was the caller's mistake (or a forgery).
+                        why = await self._why_failed(request_id, completion.finish_reason)
+                        if HANDOFF_REFUSED in why:
+                            raise InvalidArgument.for_field("kv_handoff", why)
+                        raise Unavailable(f"engine failed request {request_id}: {why}")
                 kv_handoff = kv_handoff_from_engine(output.kv_transfer_params) if finished else None
                 if kv_handoff is not None:
                     kv_handoff = dataclasses.replace(kv_handoff, expires_at_unix_ms=self._kv_lease_end_ms(output))

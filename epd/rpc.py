@@ -20,6 +20,7 @@ from opentelemetry import trace
 
 from epd import telemetry
 from epd.errors import EpdError, Internal, internal_status, to_rpc_status
+from epd.security import require_peer
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +46,11 @@ def request_bytes() -> int:
     return _REQUEST_BYTES.get()
 
 
-def add_servicer(server: grpc.aio.Server, full_service_name: str, servicer) -> None:
+def add_servicer(server: grpc.aio.Server, full_service_name: str, servicer, *, allowed_peers: frozenset[str] = frozenset()) -> None:
     """Registers ``servicer``'s handler for every method of the service, as the generated
-    ``add_*Servicer_to_server`` does, but parsing each request itself.
+    ``add_*Servicer_to_server`` does, but parsing each request itself; with ``allowed_peers``,
+    every method first checks that the caller's certificate names one of them (health and
+    reflection, registered apart, stay open to probes).
 
     grpcio answers a body that does not parse with UNKNOWN and a Python repr ("Unexpected <class
     'google.protobuf.message.DecodeError'>: ..."); gRPC's status-code table gives a request that
@@ -62,6 +65,8 @@ def add_servicer(server: grpc.aio.Server, full_service_name: str, servicer) -> N
         handler = getattr(servicer, method.name)
         if not getattr(handler, "_unwraps_requests", False):
             raise TypeError(f"{method.full_name}: the handler must be an @rpc_method, which takes the parsed request")
+        if allowed_peers:
+            handler = _for_peers(handler, allowed_peers, method.server_streaming)
         request_class = message_factory.GetMessageClass(method.input_type)
         make = grpc.unary_stream_rpc_method_handler if method.server_streaming else grpc.unary_unary_rpc_method_handler
         handlers[method.name] = make(
@@ -71,6 +76,24 @@ def add_servicer(server: grpc.aio.Server, full_service_name: str, servicer) -> N
         )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(full_service_name, handlers),))
     server.add_registered_method_handlers(full_service_name, handlers)
+
+
+def _for_peers(handler, allowed: frozenset[str], streaming: bool):
+    """``handler``, answering only callers whose certificate names an allowed peer."""
+    if streaming:
+
+        async def stream(request, context):
+            await require_peer(context, allowed)
+            async for response in handler(request, context):
+                yield response
+
+        return stream
+
+    async def unary(request, context):
+        await require_peer(context, allowed)
+        return await handler(request, context)
+
+    return unary
 
 
 def _parser(request_class):

@@ -4,7 +4,9 @@ gateway's bearer-token check.
 One set of flags per service, used in both directions: ``--tls-cert``/``--tls-key`` are the
 service's own identity (its server certificate, and its client certificate when it dials a
 peer); ``--tls-ca`` is the CA that signs its peers (it verifies the servers a service dials,
-and the clients of a service started with ``--require-client-cert``).
+and the clients of a service started with ``--require-client-cert``). ``--allowed-peers`` then
+narrows who may call a service to the identities named: a gateway's clients may hold
+certificates from the same CA, and must not open the stages behind it.
 """
 
 from __future__ import annotations
@@ -34,12 +36,15 @@ class TlsConfig:
     tls_key: str = ""  # its private key
     tls_ca: str = ""  # the CA that signs peers
     require_client_cert: bool = False  # refuse clients without a certificate signed by tls_ca
+    allowed_peers: tuple[str, ...] = ()  # callers' certificate names (SAN or CN) let in; empty: any
 
     def __post_init__(self) -> None:
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ValueError("--tls-cert and --tls-key go together")
         if self.require_client_cert and not (self.tls_cert and self.tls_ca):
             raise ValueError("--require-client-cert needs --tls-cert, --tls-key and --tls-ca (the CA that signs client certificates)")
+        if self.allowed_peers and not self.require_client_cert:
+            raise ValueError("--allowed-peers names callers by their certificates: it needs --require-client-cert")
 
     @property
     def serves_tls(self) -> bool:
@@ -80,6 +85,23 @@ def channel_credentials(tls: TlsConfig, *, token: str | None = None) -> grpc.Cha
     if token is not None:
         credentials = grpc.composite_channel_credentials(credentials, grpc.access_token_call_credentials(token))
     return credentials
+
+
+def peer_names(context: grpc.aio.ServicerContext) -> set[str]:
+    """The names the caller's verified certificate carries: its subject alternative names (DNS,
+    URI, IP) and common name. Empty without a client certificate."""
+    auth = context.auth_context()
+    return {value.decode(errors="replace") for key in ("x509_subject_alternative_name", "x509_common_name") for value in auth.get(key, ())}
+
+
+async def require_peer(context: grpc.aio.ServicerContext, allowed: frozenset[str]) -> None:
+    """Ends the call with PERMISSION_DENIED unless the caller's certificate names an allowed peer."""
+    names = peer_names(context)
+    if not names & allowed:
+        shown = ", ".join(sorted(names)[:8])[:200] or "no verified certificate"
+        await context.abort(
+            grpc.StatusCode.PERMISSION_DENIED, f"this service takes calls only from the peers it is configured for (--allowed-peers); the caller's certificate names {shown}"
+        )
 
 
 def read_token(path: str) -> str:

@@ -101,7 +101,7 @@ class GrpcHost:
 
     def add_servicer(self, servicer) -> None:
         """Serves the host's service with ``servicer`` (:func:`epd.rpc.add_servicer`)."""
-        add_servicer(self.server, self.full_service_name, servicer)
+        add_servicer(self.server, self.full_service_name, servicer, allowed_peers=frozenset(self.config.tls.allowed_peers))
 
     async def start(self) -> None:
         """Listens; liveness SERVING, readiness NOT_SERVING until :meth:`set_ready`."""

@@ -531,6 +531,23 @@ def kv_handoff_to_wire(kv: KvHandoff) -> engine_pb2.KvHandoff:
 
 
 _MAX_BLOCK_ID = 2**31  # vLLM's NixlConnector holds block ids as int32
+_MAX_PARALLEL_SIZE = 1024  # of a tensor-, pipeline- or context-parallel group
+
+
+def _parallel_size(value) -> bool:
+    return isinstance(value, int) and 1 <= value <= _MAX_PARALLEL_SIZE
+
+
+# The kv_transfer_params a prefill's vLLM (0.32) hands out beyond the typed fields, with what
+# each may hold: vLLM's connector uses them as sizes and modes unchecked, so anything else is
+# refused rather than passed on (a vLLM that adds a key needs it added here).
+_KV_EXTRA_PARAMS = {
+    "dcp_size": _parallel_size,
+    "pp_size": _parallel_size,
+    "transfer_mode": lambda value: value == "pull",  # the decode's NixlConnector pulls
+    "remote_prefill_cached_tokens": lambda value: isinstance(value, int) and value >= 0,
+    "remote_blocks_expiry_time": lambda value: value is None or (isinstance(value, int | float) and math.isfinite(value)),
+}
 
 
 def kv_handoff_from_wire(msg: engine_pb2.KvHandoff) -> KvHandoff:
@@ -545,10 +562,10 @@ def kv_handoff_from_wire(msg: engine_pb2.KvHandoff) -> KvHandoff:
         violations.append(FieldViolation("kv_handoff.remote_port", "must be a TCP port (1-65535)"))
     if not msg.remote_request_id:
         violations.append(FieldViolation("kv_handoff.remote_request_id", "is required"))
-    if msg.tp_size < 1:
+    if not 1 <= msg.tp_size <= _MAX_PARALLEL_SIZE:
         # vLLM maps this engine's ranks onto the prefill's by it: 0 divided by zero in its
         # handshake, failing the request as if the prefill were unreachable.
-        violations.append(FieldViolation("kv_handoff.tp_size", "must be at least 1"))
+        violations.append(FieldViolation("kv_handoff.tp_size", f"must be between 1 and {_MAX_PARALLEL_SIZE}"))
     if not any(group.block_ids for group in msg.remote_block_groups):
         # As vLLM's NixlConnector counts it: a handoff with no block at all has no KV to pull
         # (a group of its own may be empty, say a window that moved past every block).
@@ -560,6 +577,13 @@ def kv_handoff_from_wire(msg: engine_pb2.KvHandoff) -> KvHandoff:
             violations.append(FieldViolation(f"kv_handoff.remote_block_groups[{index}].block_ids", f"must be below {_MAX_BLOCK_ID}"))
         if len(set(group.block_ids)) != len(group.block_ids):
             violations.append(FieldViolation(f"kv_handoff.remote_block_groups[{index}].block_ids", "must not name a block twice"))
+    extras = _integral_floats_to_int(json_format.MessageToDict(msg.extra_params)) if msg.HasField("extra_params") else {}
+    for name, value in extras.items():
+        check = _KV_EXTRA_PARAMS.get(name)
+        if check is None:
+            violations.append(FieldViolation(f"kv_handoff.extra_params.{name[:64]}", "is not a parameter a prefill's vLLM hands out"))
+        elif not check(value):
+            violations.append(FieldViolation(f"kv_handoff.extra_params.{name}", "holds a value a prefill's vLLM never hands out"))
     if violations:
         raise InvalidArgument("invalid kv_handoff", violations)
     return KvHandoff(
@@ -570,7 +594,7 @@ def kv_handoff_from_wire(msg: engine_pb2.KvHandoff) -> KvHandoff:
         remote_request_id=msg.remote_request_id,
         remote_num_tokens=msg.remote_num_tokens,
         tp_size=msg.tp_size,
-        extra_params=_integral_floats_to_int(json_format.MessageToDict(msg.extra_params)) if msg.HasField("extra_params") else {},
+        extra_params=extras,
         expires_at_unix_ms=msg.expires_at_unix_ms,
     )
 

@@ -93,6 +93,7 @@ class EngineStage:
         prompt = await self._prompt(request, await self._token_ids(request))
         kv_params = None
         if request.kv_handoff is not None:
+            _check_handoff_fits(request.kv_handoff, prompt, self.engine.kv_block_size, self.engine.tensor_parallel_size)
             _check_lease_left(request.kv_handoff)
             if not self._used_handoffs.first_use(request.kv_handoff):
                 raise FailedPrecondition(
@@ -215,6 +216,28 @@ class UsedHandoffs:
         if len(self._seen) > self._capacity:
             self._seen.popitem(last=False)
         return True
+
+
+def _check_handoff_fits(handoff: KvHandoff, prompt: RenderedPrompt, block_size: int, tp_size: int) -> None:
+    """A prefill hands out the blocks of the prompt it computed, which is this one: no group can
+    hold more blocks than the prompt fills, nor more tokens. More blocks would make vLLM read
+    blocks past the request's own (another request's KV), which it cannot tell; fewer, or a
+    group the engine has no room for, fail in vLLM's worker, and fail only this request there
+    (``epd.transport.connector.kv_connector``). EPD runs every engine at one tensor-parallel
+    size (it configures none), so a prefill's is this decode's."""
+    tokens = len(prompt.engine_input["prompt_token_ids"])
+    most_blocks = -(-tokens // block_size)
+    violations = [
+        FieldViolation(f"kv_handoff.remote_block_groups[{index}].block_ids", f"holds {len(group)} blocks; the prompt's {tokens} tokens fill {most_blocks}")
+        for index, group in enumerate(handoff.remote_block_groups)
+        if len(group) > most_blocks
+    ]
+    if handoff.tp_size != tp_size:
+        violations.append(FieldViolation("kv_handoff.tp_size", f"is {handoff.tp_size}; EPD's prefills run at this decode's tensor-parallel size, {tp_size}"))
+    if handoff.remote_num_tokens > tokens:
+        violations.append(FieldViolation("kv_handoff.remote_num_tokens", f"is {handoff.remote_num_tokens}; the prompt has {tokens} tokens"))
+    if violations:
+        raise InvalidArgument("kv_handoff does not fit the prompt: " + "; ".join(f"{v.field} {v.description}" for v in violations), violations)
 
 
 def _check_lease_left(handoff: KvHandoff) -> None:

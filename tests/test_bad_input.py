@@ -15,6 +15,7 @@ from epd import wire
 from epd.client import chat_request, generate
 from epd.domain import ChatMessage, ItemMarker, MediaFile, Modality, Role, TextPart, content_hash
 from epd.engine import Engine, EngineConfig, EngineRole
+from epd.telemetry import scrape
 from epd.v1 import (
     common_pb2,
     decode_pb2,
@@ -219,6 +220,94 @@ async def test_a_kv_handoff_whose_lease_runs_out_is_aborted_before_the_engine_re
     parts = [(PNG, "image/png"), "Describe it."]
     oracle = await generate(family_stack.gateway_stub("monolithic"), chat_request(parts, max_tokens=4), timeout=120)
     assert (await generate(family_stack.gateway_stub("epd"), chat_request(parts, max_tokens=4), timeout=120)).token_ids == oracle.token_ids
+
+
+def _drop_last_block(handoff):
+    del handoff.remote_block_groups[0].block_ids[-1]
+
+
+def _empty_group_first(handoff):
+    real = list(handoff.remote_block_groups[0].block_ids)
+    del handoff.remote_block_groups[:]
+    handoff.remote_block_groups.add()
+    handoff.remote_block_groups.add(block_ids=real)
+
+
+_FORGED_HANDOFFS = {
+    # Each made the decode's engine core exit (vLLM's worker asserts on it), or reached past the
+    # request's own blocks, or passed values vLLM uses unchecked.
+    "an_empty_group_then_the_real_one": (_empty_group_first, "kv_handoff"),
+    "one_block_fewer_than_the_prompt": (_drop_last_block, "kv_handoff"),
+    "one_block_more_than_the_prompt": (lambda h: h.remote_block_groups[0].block_ids.append(max(h.remote_block_groups[0].block_ids) + 1), "kv_handoff.remote_block_groups[0].block_ids"),
+    "tensor_parallel_size_3": (lambda h: setattr(h, "tp_size", 3), "kv_handoff.tp_size"),
+    "a_billion_remote_tokens": (lambda h: setattr(h, "remote_num_tokens", 10**9), "kv_handoff.remote_num_tokens"),
+    "a_push_transfer_mode": (lambda h: h.extra_params.update({"transfer_mode": "push"}), "kv_handoff.extra_params.transfer_mode"),
+    "a_junk_extra_parameter": (lambda h: h.extra_params.update({"do_remote_decode": True}), "kv_handoff.extra_params.do_remote_decode"),
+}
+
+
+@pytest.mark.parametrize("forgery", list(_FORGED_HANDOFFS))
+async def test_a_real_prefills_handoff_altered_fails_only_its_own_request(family_stack, forgery):
+    """Forgeries of a genuine handoff, sent straight to the decode as a peer inside the trust
+    boundary could: each is INVALID_ARGUMENT naming the field, the decode's engine stays alive,
+    and the next request through the gateway gets the monolithic tokens."""
+    alter, field = _FORGED_HANDOFFS[forgery]
+    # Hundreds of tokens: a prompt over several KV blocks, so that one fewer still leaves some;
+    # an image of its own, so that the decode's prefix cache holds none of them.
+    image = synthetic_image_png(96, 80, seed=7000 + list(_FORGED_HANDOFFS).index(forgery))
+    parts = [(image, "image/png"), "Describe it, given these words: " + " ".join(f"word{i}" for i in range(120))]
+    prefill, response = await prefill_directly(family_stack, parts)
+    items = list(prefill.items)
+    for item in items:
+        item.ClearField("embedding")
+    handoff = engine_pb2.KvHandoff()
+    handoff.CopyFrom(response.kv_handoff)
+    alter(handoff)
+    forged = decode_pb2.DecodeRequest(
+        request_id=f"forged-{forgery}", prompt=engine_pb2.EnginePrompt(token_ids=response.prompt_token_ids), items=items, sampling=prefill.sampling, kv_handoff=handoff
+    )
+    async with grpc.aio.insecure_channel(family_stack.decode.address) as channel:
+        stub = decode_pb2_grpc.DecodeServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in stub.Decode(forged, timeout=60):
+                pass
+        await stub.ReleaseKv(decode_pb2.ReleaseKvRequest(request_id="forged", kv_handoff=response.kv_handoff), timeout=10)
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+    assert violations(refused.value) == [field], refused.value.details()
+    oracle = await generate(family_stack.gateway_stub("monolithic"), chat_request(parts, max_tokens=4), timeout=120)
+    assert (await generate(family_stack.gateway_stub("epd"), chat_request(parts, max_tokens=4), timeout=120)).token_ids == oracle.token_ids
+
+
+async def test_a_release_needs_the_handoffs_secret_request_id(family_stack):
+    """``ReleaseKv`` frees the KV of the prefill request its handoff names; that name is the
+    grant's secret (the prefill draws 96 random bits into it). Releases that name the victim's
+    prefill engine and blocks but not that id, guessed from the victim's request id, free
+    nothing: the prefill still holds the victim's KV, which its decode then reads."""
+    usage = "vllm:kv_cache_usage_perc"
+    port = family_stack.prefill.metrics_port
+    assert await wait_for_metric(port, usage, 0.0, timeout=30) == 0.0
+    parts = [(PNG, "image/png"), "Describe it."]
+    oracle = await generate(family_stack.gateway_stub("monolithic"), chat_request(parts, max_tokens=4), timeout=120)
+    prefill, response = await prefill_directly(family_stack, parts)
+    assert response.kv_handoff.remote_request_id.startswith(f"{prefill.request_id}-prefill-")
+    items = list(prefill.items)
+    for item in items:
+        item.ClearField("embedding")
+    async with grpc.aio.insecure_channel(family_stack.decode.address) as channel:
+        stub = decode_pb2_grpc.DecodeServiceStub(channel)
+        for guess in (prefill.request_id, f"{prefill.request_id}-prefill"):
+            forged = engine_pb2.KvHandoff()
+            forged.CopyFrom(response.kv_handoff)
+            forged.remote_request_id = guess
+            await stub.ReleaseKv(decode_pb2.ReleaseKvRequest(request_id="attacker", kv_handoff=forged), timeout=10)
+        # A genuine release frees the blocks within a second (test_failover); the lease is 10 s.
+        await asyncio.sleep(3.0)
+        assert scrape(port)[usage] > 0.0
+        victim = decode_pb2.DecodeRequest(
+            request_id=prefill.request_id, prompt=engine_pb2.EnginePrompt(token_ids=response.prompt_token_ids), items=items, sampling=prefill.sampling, kv_handoff=response.kv_handoff
+        )
+        assert [t async for r in stub.Decode(victim, timeout=60) for t in r.token_ids] == oracle.token_ids
+    assert await wait_for_metric(port, usage, 0.0, timeout=30) == 0.0
 
 
 def test_the_kv_lease_stamp_counts_from_when_the_engine_core_finished():

@@ -28,7 +28,7 @@ from cli.launcher import Stack, gateway_args
 from devkit.media import synthetic_image_png
 from epd.client import chat_request, generate, open_channel
 from epd.security import TlsConfig, channel_credentials
-from epd.v1 import encoder_pb2, encoder_pb2_grpc, gateway_pb2, gateway_pb2_grpc, multimodal_pb2
+from epd.v1 import decode_pb2, decode_pb2_grpc, encoder_pb2, encoder_pb2_grpc, gateway_pb2, gateway_pb2_grpc, multimodal_pb2
 from tests.conftest import checkpoint
 from tests.helpers import MIN_TOKENS, SMALL_KV_CACHE
 
@@ -139,8 +139,11 @@ def secure_stack(tmp_path_factory):
     stack = Stack(tmp_path_factory.mktemp("secure-logs"))
     try:
         # Consumers dial the encoder by the name its certificate covers, as in a StatefulSet.
-        encoder = stack.start("encoder", ["encoder", "--model", model, "--advertise-host", "localhost", *tls])
-        combined = stack.start("combined", ["decode", "--model", model, "--mode", "combined", *SMALL_KV_CACHE, *tls])
+        # The stages answer only the services' identity (the gateway's, and the consumers' at the
+        # encoder), never a gateway client's, whose certificate the same CA signed.
+        stage = [*tls, "--allowed-peers", "service"]
+        encoder = stack.start("encoder", ["encoder", "--model", model, "--advertise-host", "localhost", *stage])
+        combined = stack.start("combined", ["decode", "--model", model, "--mode", "combined", *SMALL_KV_CACHE, *stage])
         stack.wait_ready([encoder, combined], timeout=600)
         extra = [*tls, "--auth-token-file", str(pki.token_file)]
         gateways = {"gateway": stack.start("gateway", gateway_args(model, "epd-combined", encoders=[encoder.address], decodes=[combined.address], extra=extra))}
@@ -177,7 +180,8 @@ async def test_mtls_and_token_stream_the_monolithic_tokens(secure_stack, family_
     assert result.finished.usage.multimodal_tokens == oracle.finished.usage.multimodal_tokens > 0
     # Its locations name the encoder by its advertised host: the combined decode fetched the
     # NIXL metadata from there, over mTLS that verified that name (the certificate covers it).
-    async with secure_stack.channel("encoder", client=secure_stack.pki.client) as channel:
+    # (Asked as a service: the encoder takes no client's certificate.)
+    async with secure_stack.channel("encoder", client=secure_stack.pki.service) as channel:
         stub = encoder_pb2_grpc.EncoderServiceStub(channel)
         item = multimodal_pb2.MediaItem(image=multimodal_pb2.Media(data=synthetic_image_png(112, 112, seed=83), mime_type="image/png"))
         location = (await stub.Encode(encoder_pb2.EncodeRequest(items=[item]), timeout=60)).items[0].embedding.nixl
@@ -228,6 +232,43 @@ async def test_client_certificates_are_required_and_verified(secure_stack, name)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await _health(channel)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, client
+
+
+async def test_a_gateway_clients_certificate_opens_no_stage(secure_stack):
+    """A client certificate the gateway accepts (the same CA signs it) is PERMISSION_DENIED at
+    every stage method: the stages take only the identities configured for them. Probes still
+    reach health, and the services' own identity is let in (its malformed call is refused on
+    its merits)."""
+    pki = secure_stack.pki
+    encoder = encoder_pb2_grpc.EncoderServiceStub
+    decode = decode_pb2_grpc.DecodeServiceStub
+    calls = {
+        "encoder": [
+            lambda ch: encoder(ch).Encode(encoder_pb2.EncodeRequest(request_id="x"), timeout=10),
+            lambda ch: encoder(ch).GetTransferMetadata(encoder_pb2.GetTransferMetadataRequest(), timeout=10),
+            lambda ch: encoder(ch).ReleaseEmbeddings(encoder_pb2.ReleaseEmbeddingsRequest(release_keys=["k"]), timeout=10),
+        ],
+        "combined": [
+            lambda ch: _first(decode(ch).Decode(decode_pb2.DecodeRequest(request_id="x"), timeout=10)),
+            lambda ch: decode(ch).ReleaseKv(decode_pb2.ReleaseKvRequest(request_id="x"), timeout=10),
+        ],
+    }
+    for name, methods in calls.items():
+        async with secure_stack.channel(name, client=pki.client) as channel:
+            assert await _health(channel) == SERVING
+            for call in methods:
+                with pytest.raises(grpc.aio.AioRpcError) as refused:
+                    await call(channel)
+                assert refused.value.code() == grpc.StatusCode.PERMISSION_DENIED, (name, refused.value.details())
+        async with secure_stack.channel(name, client=pki.service) as channel:
+            with pytest.raises(grpc.aio.AioRpcError) as answered:
+                await methods[0](channel)
+            assert answered.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (name, answered.value.details())
+
+
+async def _first(stream):
+    async for response in stream:
+        return response
 
 
 async def test_a_server_from_an_unknown_ca_is_refused(secure_stack):

@@ -485,7 +485,7 @@ def _wait_available(consumer: ConsumerScheduler, request: Request, timeout_s: fl
 
 
 def test_consumer_loads_installs_and_frees_once_nothing_refers_to_the_item(producer, consumer):
-    location = producer("publish", 61, 5, 128, "float32")
+    location = producer("publish", 61, 5, 128, "float32", "h1")
     params = expected_to_params({"h1": ExpectedItem(5, 128, "float32", location)})
     request = Request("r1", [Feature("h1", Position(5))], params)
     assert _wait_available(consumer, request)
@@ -502,14 +502,27 @@ def test_consumer_loads_installs_and_frees_once_nothing_refers_to_the_item(produ
 
 
 def test_consumer_refuses_a_slot_that_no_longer_holds_the_promised_item(producer, consumer, releaser):
-    stale = producer("publish", 71, 4, 128, "float32")
-    fresh = producer("overwrite", stale, 72, 4, 128, "float32")
+    stale = producer("publish", 71, 4, 128, "float32", "h2")
+    fresh = producer("overwrite", stale, 72, 4, 128, "float32", "h2")
     request = Request("r2", [Feature("h2", Position(4))], expected_to_params({"h2": ExpectedItem(4, 128, "float32", stale)}))
     assert not _wait_available(consumer, request)
     consumer.request_finished(request)
     assert consumer.counters.get("failed_loads") == 1
     releaser.release([fresh.lease_id])
     assert producer("reap_until_idle") == 0
+
+
+def test_consumer_refuses_a_genuine_handle_under_another_items_content_hash(producer, consumer, releaser):
+    """The poisoning attack: a caller's own genuine handle, sent under another image's content
+    hash, would enter vLLM's encoder cache as that image's embedding. The slot names the item
+    the encoder wrote; the consumer checks the name against the hash before vLLM sees it."""
+    own = producer("publish", 75, 4, 128, "float32", "the-callers-own-image")
+    request = Request("r8", [Feature("a-victims-image", Position(4))], expected_to_params({"a-victims-image": ExpectedItem(4, 128, "float32", own)}))
+    assert not _wait_available(consumer, request)
+    assert not consumer.has_cache_item("a-victims-image")
+    consumer.request_finished(request)
+    assert consumer.counters.get("failed_loads") == 1 and consumer.counters.get("items") == 0
+    assert producer("reap_until_idle") == 0  # the READ ended the lease, as any read does
 
 
 @pytest.mark.parametrize(

@@ -22,7 +22,7 @@ import torch
 from epd.domain import NixlLocation
 from epd.transport.memory.arena import EmbeddingArena, SharedCounters
 from epd.transport.memory.shared_buffer import SharedBuffer
-from epd.transport.memory.slot_header import HEADER_BYTES, SlotHeader, SlotStatus, slot_bytes
+from epd.transport.memory.slot_header import HEADER_BYTES, SlotHeader, SlotStatus, item_digest, slot_bytes
 from epd.transport.wire.credentials import TransferCredentials
 from epd.transport.wire.nixl import LeaseReleaser, NixlPublisher
 from epd.v1 import encoder_pb2, encoder_pb2_grpc
@@ -60,11 +60,13 @@ class _Producer:
         self.address = f"127.0.0.1:{self.server.add_insecure_port(f'127.0.0.1:{grpc_port}')}"
         self.server.start()
 
-    def publish(self, seed: int, rows: int, width: int, dtype: str) -> NixlLocation:
+    def publish(self, seed: int, rows: int, width: int, dtype: str, key: str = "") -> NixlLocation:
+        """Publishes rows of ``seed`` as the item called ``key`` (its content hash; default
+        ``item-<seed>``), as the encoder's EC producer would."""
         lease = self.arena.reserve(slot_bytes(rows, width, dtype))
         data = make_rows(seed, rows, width, dtype).reshape(-1).view(torch.uint8)
         self.buffer.tensor[lease.offset + HEADER_BYTES : lease.offset + HEADER_BYTES + data.numel()].copy_(data)
-        SlotHeader(SlotStatus.READY, dtype, lease.generation, rows, width).pack_into(self.buffer.tensor, lease.offset)
+        SlotHeader(SlotStatus.READY, dtype, lease.generation, rows, width, item_digest(key or f"item-{seed}")).pack_into(self.buffer.tensor, lease.offset)
         # What the encoder service does to every location before handing it out.
         return dataclasses.replace(self.publisher.location(lease, self.arena.publish(lease.lease_id)), encoder_address=self.address)
 
@@ -79,10 +81,10 @@ class _Producer:
             time.sleep(0.005)
         return self.arena.leased_count
 
-    def overwrite(self, location: NixlLocation, seed: int, rows: int, width: int, dtype: str) -> NixlLocation:
+    def overwrite(self, location: NixlLocation, seed: int, rows: int, width: int, dtype: str, key: str = "") -> NixlLocation:
         """Ends a lease and publishes another item, which reuses the same first slot."""
         self.arena.release(location.lease_id)
-        return self.publish(seed, rows, width, dtype)
+        return self.publish(seed, rows, width, dtype, key)
 
 
 _COMMANDS: dict[str, Callable[..., Any]] = {

@@ -32,7 +32,7 @@ from epd.domain import NixlLocation
 from epd.server import GRPC_OPTIONS
 from epd.transport.memory.arena import EmbeddingArena
 from epd.transport.memory.shared_buffer import SharedBuffer
-from epd.transport.memory.slot_header import HEADER_BYTES, SlotHeader, SlotStatus, slot_bytes
+from epd.transport.memory.slot_header import HEADER_BYTES, SlotHeader, SlotStatus, item_digest, slot_bytes
 from epd.transport.wire.nixl import NixlPublisher
 from epd.v1 import encoder_pb2, encoder_pb2_grpc, multimodal_pb2
 
@@ -59,7 +59,8 @@ class _Producer:
             start = lease.offset + HEADER_BYTES
             tensor[start : start + nbytes].copy_(base)
             tensor[start : start + _STAMP_BYTES].copy_(stamp_bytes(stamp))
-            SlotHeader(SlotStatus.READY, _DTYPE, lease.generation, rows, width).pack_into(tensor, lease.offset)
+            # Named by its lease id, the content hash the consumer path caches it as.
+            SlotHeader(SlotStatus.READY, _DTYPE, lease.generation, rows, width, item_digest(lease.lease_id)).pack_into(tensor, lease.offset)
             location = self.publisher.location(lease, self.arena.publish(lease.lease_id))
             locations.append(dataclasses.replace(location, encoder_address=self.encoder_address))
         return locations

@@ -56,6 +56,10 @@ class GaveUp(msgspec.Struct, tag=True):
 
 Question = LeaseHeld | WhyFailed | GaveUp
 
+# What a reason noted for a KV handoff the engine could not use says (the caller's input, not a
+# transfer that failed): the service reports it as INVALID_ARGUMENT.
+HANDOFF_REFUSED = "its kv_handoff does not fit this engine's KV cache"
+
 # Reasons kept for requests the service has not asked about yet (it asks at once, so this only
 # bounds what requests nobody asks about, such as aborted ones, leave behind).
 _FAILURES_KEPT = 1024

@@ -26,7 +26,7 @@ from epd.transport.connector.ec_config import ConnectorConfig
 from epd.transport.connector.ec_consumer import ConsumerScheduler, Install
 from epd.transport.connector.ec_producer import ProducerScheduler, Restore, Save
 from epd.transport.memory.shared_buffer import SharedBuffer
-from epd.transport.memory.slot_header import DTYPES, HEADER_BYTES, SlotHeader, SlotStatus
+from epd.transport.memory.slot_header import DTYPES, HEADER_BYTES, SlotHeader, SlotStatus, item_digest
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -202,7 +202,7 @@ class _WorkerSide:
                 save.width,
                 save.dtype,
             )
-        SlotHeader(status, save.dtype, save.generation, save.rows, save.width).pack_into(buffer, save.offset)
+        SlotHeader(status, save.dtype, save.generation, save.rows, save.width, item_digest(save.mm_hash)).pack_into(buffer, save.offset)
         self._written.setdefault(save.request_id, set()).add(save.generation)
 
     def install(self, installs: list[Install], encoder_cache: dict[str, torch.Tensor]) -> None:

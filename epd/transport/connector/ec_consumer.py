@@ -246,7 +246,7 @@ class ConsumerScheduler:
             for mm_hash, error in reader.poll():
                 item = self._items.get(mm_hash)
                 if item is not None and item.state == "loading":
-                    self._check_loaded(item, error)
+                    self._check_loaded(mm_hash, item, error)
                     self._maybe_drop(mm_hash, item)
 
     def _allocate(self, items: list[tuple[str, _Item]]) -> bool:
@@ -269,13 +269,17 @@ class ConsumerScheduler:
             taken.append(item)
         return True
 
-    def _check_loaded(self, item: _Item, error: str | None) -> None:
-        """A read ended: over NIXL, the slot header must show the promised item, fully written."""
+    def _check_loaded(self, mm_hash: str, item: _Item, error: str | None) -> None:
+        """A read ended: over NIXL, the slot header must show the promised item, fully written,
+        and name the item it will be cached as (the encoder vouches for the content hash)."""
         expected = item.expected
         if error is None and isinstance(expected.location, NixlLocation):
-            promised = ready_fields(expected.dtype, expected.location.slot_generation, expected.rows, expected.width)
+            promised = ready_fields(expected.dtype, expected.location.slot_generation, expected.rows, expected.width, mm_hash)
             if header_fields(self._view, item.offset) != promised:
-                error = f"the producer's slot no longer holds the item of lease {expected.location.lease_id} as promised ({self._describe_slot(item.offset)})"
+                error = (
+                    f"the producer's slot does not hold item {mm_hash[:16]}... of lease {expected.location.lease_id} as promised "
+                    f"({self._describe_slot(mm_hash, item.offset)})"
+                )
         if error is None:
             item.state = "ready"
             if isinstance(expected.location, NixlLocation):
@@ -299,11 +303,13 @@ class ConsumerScheduler:
             )
             self._stalled_since = now  # once per period, not on every scheduler step
 
-    def _describe_slot(self, offset: int) -> str:
+    def _describe_slot(self, mm_hash: str, offset: int) -> str:
         try:
-            return f"found {SlotHeader.unpack_from(self._buffer.tensor, offset)}"
+            header = SlotHeader.unpack_from(self._buffer.tensor, offset)
         except ValueError as exc:
             return f"found no item: {exc}"
+        named = "that item" if header.names(mm_hash) else "another item (its encoder never vouched for this content hash)"
+        return f"found {header.status.name} generation {header.generation}, {header.rows}x{header.width} {header.dtype}, naming {named}"
 
     def _fail(self, item: _Item, error: str) -> None:
         logger.warning("EPD EC consumer: loading an item failed: %s", error)

@@ -45,7 +45,7 @@ from epd.transport.desk import GaveUp, LeaseHeld, is_engine_id_of, open_desk
 from epd.transport.memory.arena import MODALITIES, EmbeddingArena, Lease
 from epd.transport.memory.claims import ClaimLedger
 from epd.transport.memory.shared_buffer import SharedBuffer
-from epd.transport.memory.slot_header import DTYPES, SlotHeader, SlotStatus, dtype_name, slot_bytes
+from epd.transport.memory.slot_header import DTYPES, SlotHeader, SlotStatus, dtype_name, item_digest, slot_bytes
 from epd.transport.wire.base import Publisher
 
 if TYPE_CHECKING:
@@ -173,7 +173,7 @@ class ProducerScheduler:
                     return False
                 cached = self._fill_from_shared_tier(key, lease, rows, width)
                 if not cached:
-                    SlotHeader(SlotStatus.PENDING, self._dtype, lease.generation, rows, width).pack_into(self._buffer.tensor, lease.offset)
+                    SlotHeader(SlotStatus.PENDING, self._dtype, lease.generation, rows, width, item_digest(key)).pack_into(self._buffer.tensor, lease.offset)
             reservations[key] = _Reservation(feature.modality, lease, rows, width, cached)
         hits = sum(r.cached for r in reservations.values())
         self._count(cache_hits=hits, cache_misses=len(reservations) - hits)
@@ -356,8 +356,8 @@ class ProducerScheduler:
             header = SlotHeader.unpack_from(self._buffer.tensor, lease.offset)
         except ValueError:
             header = None
-        if header is None or (header.status, header.dtype, header.rows, header.width) != (SlotStatus.READY, self._dtype, rows, width):
-            logger.warning("EPD EC producer: the shared encoder cache's output for %s is not the item's shape (%s); encoding it", key, header)
+        if header is None or (header.status, header.dtype, header.rows, header.width) != (SlotStatus.READY, self._dtype, rows, width) or not header.names(key):
+            logger.warning("EPD EC producer: the shared encoder cache's output for %s is not that item, or not its shape (%s); encoding it", key, header)
             return False
         dataclasses.replace(header, generation=lease.generation).pack_into(self._buffer.tensor, lease.offset)
         self._arena.mark_written(lease.lease_id)

@@ -12,6 +12,13 @@
   "error" and logs the cause. The worker's failures are also noted on the engine core's desk
   (:mod:`epd.transport.desk`, named by ``kv_connector_extra_config["epd_desk"]``), so
   the decode service's status names the cause.
+- **A handoff that breaks a READ fails only its request.** vLLM's worker trusts the handoff it is
+  given: block lists that do not fit this engine's KV layout (an empty group where the decode
+  allocated blocks, fewer blocks than the prompt) raise an ``AssertionError`` or ``ValueError``
+  on the engine core's step, which kills the engine and every request on it. The decode service
+  refuses the shapes it can see (``epd.wire.kv_handoff_from_wire``, ``services.engine_stage``);
+  whatever still raises while a request's READ is prepared fails that request alone, as a
+  refused handoff (:data:`HANDOFF_REFUSED`), which the service reports as INVALID_ARGUMENT.
 
 Engines load this module by ``kv_connector_module_path`` (:class:`epd.engine.Engine`), in the
 process that creates the agent.
@@ -24,7 +31,7 @@ from typing import Any
 from nixl import _bindings as nixlb
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import NixlConnector as VllmNixlConnector
 
-from epd.transport.desk import FailureLedger, open_desk
+from epd.transport.desk import HANDOFF_REFUSED, FailureLedger, open_desk
 from epd.transport.wire.agent import PROGRESS_WAKEUP_US
 
 __all__ = ["DESK_KEY", "NixlConnector"]
@@ -58,6 +65,8 @@ class NixlConnector(VllmNixlConnector):
         if self._desk is not None:
             # Every failure of vLLM's worker goes through this one method (it logs them).
             worker._log_failure = _noting_failures(worker, self._desk.failures)
+        if worker is not None:
+            worker._read_blocks_for_req = _failing_alone(worker)
 
     def shutdown(self) -> None:
         super().shutdown()
@@ -76,6 +85,24 @@ def _noting_failures(worker, ledger: FailureLedger):
             ledger.record(req_id, _describe(failure_type, msg, error, meta or worker._recving_metadata.get(req_id)))
 
     return log_and_note
+
+
+def _failing_alone(worker):
+    """The worker's per-request READ set-up, with an exception failing that request alone:
+    reported as a failed receive (vLLM's path for a handshake that failed), not raised into the
+    engine core's step."""
+    read_blocks_for_req = worker._read_blocks_for_req
+
+    def read_or_fail(req_id: str, meta) -> None:
+        try:
+            read_blocks_for_req(req_id, meta)
+        except Exception as exc:
+            worker._log_failure(failure_type="kv_handoff_refused", req_id=req_id, msg=HANDOFF_REFUSED, error=exc, meta=meta)
+            if not worker._recving_transfers.get(req_id):
+                worker._recving_transfers.pop(req_id, None)  # seeded for a READ that never went out
+            worker._failed_recv_reqs.put(req_id)
+
+    return read_or_fail
 
 
 def _describe(failure_type: str, msg: str, error: BaseException | None, meta: Any) -> str:
