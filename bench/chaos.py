@@ -5,11 +5,12 @@ One E/P/D deployment of the tiny Qwen2.5-VL with two encoders, two prefills and 
 behind one gateway (``bench.faults.start_two_of_each``), and a monolithic gateway as the oracle,
 all on loopback. A closed loop of ``concurrency`` clients sends one-image greedy requests
 (``OUTPUT_TOKENS`` each, long enough that decodes die mid-stream) for ``DURATION_S``. Meanwhile,
-``PAUSE_S`` after the previous victim rejoined (20-40 s, drawn at random), a random instance of a
-random stage (every stage once in each round of three) is SIGKILLed, service and engine core,
-and restarted at its address as soon as its port has closed: one instance is down at a time, so
-the deployment always has a live one of each stage, as with one failure domain down at a time.
-The short form (``--quick``, CI) kills one instance of each stage, 3-6 s apart.
+every ``PAUSE_S`` (20-40 s, drawn at random) a random instance of a random stage (every stage
+once in each round of three) is SIGKILLed, service and engine core, and restarted at its address
+as soon as its port has closed. Only a stage whose other instance is up is chosen, so the
+deployment always has a live instance of each stage, as with one failure domain down at a
+time; restarts overlap. The short form (``--quick``, CI) kills one instance of each stage, 3-6 s
+apart.
 
 Checked and reported:
 
@@ -36,7 +37,7 @@ from typing import Any
 import grpc
 
 from bench.common import RESULTS_DIR, progress, summarize, write_result
-from bench.faults import restart_args, start_two_of_each, wait_gauge, wait_port_closed
+from bench.faults import start_two_of_each, wait_gauge, wait_port_closed
 from bench.formatting import fmt, machine
 from bench.soak import drained, tree_rss_mib
 from bench.workload import Sent, closed_loop
@@ -107,15 +108,28 @@ def _end_state(services: dict[str, ServiceProcess]) -> dict[str, float]:
     }
 
 
-def _victims(rng: random.Random):
-    """Random instances of random stages, every stage once in each round of three, so that a
-    short run hits each."""
-    while True:
-        for stage in rng.sample(STAGES, len(STAGES)):
-            yield f"{stage}{rng.randrange(2)}"
+class _Victims:
+    """Random instances of random stages, every stage once in each round of three (so that a
+    short run hits each), and only of a stage whose other instance is up: one instance of each
+    stage is always live, as with one failure domain down at a time."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self._rng = rng
+        self._round: list[str] = []
+        self.down: set[str] = set()  # stages with an instance killed and not yet back
+
+    async def next(self) -> str:
+        while True:
+            if not self._round:
+                self._round = self._rng.sample(STAGES, len(STAGES))
+            stage = next((s for s in self._round if s not in self.down), None)
+            if stage is not None:
+                self._round.remove(stage)
+                return f"{stage}{self._rng.randrange(2)}"
+            await asyncio.sleep(0.5)
 
 
-async def _kill_and_restart(stack: Stack, services: dict[str, ServiceProcess], lives: _Lives, name: str, model: str) -> dict[str, Any]:
+async def _kill_and_restart(stack: Stack, services: dict[str, ServiceProcess], lives: _Lives, name: str) -> dict[str, Any]:
     stage, gateway = name[:-1], services["gateway"]
     victim = services[name]
     started = time.perf_counter()
@@ -123,7 +137,7 @@ async def _kill_and_restart(stack: Stack, services: dict[str, ServiceProcess], l
     eject_s, _ = await asyncio.gather(wait_gauge(gateway, stage, victim.address, 0.0, 30), wait_port_closed(victim.address, 30))
     await asyncio.to_thread(victim.process.wait, 30)
     stack.services.remove(victim)
-    restarted = stack.start(f"{name}-restarted-{int(started)}", restart_args(victim, stage, model))
+    restarted = stack.restart(victim)
     await asyncio.to_thread(stack.wait_ready, [restarted], 900)
     services[name] = restarted
     lives.begin(name, restarted)
@@ -200,13 +214,22 @@ def run(*, quick: bool = False, duration_s: float | None = None, seed: int = 0, 
                 events: list[dict[str, Any]] = []
 
                 async def chaos() -> None:
-                    victims = _victims(rng)
-                    while most_kills is None or len(events) < most_kills:
+                    victims, restarts = _Victims(rng), []
+
+                    async def kill(name: str) -> None:
+                        victims.down.add(name[:-1])
+                        try:
+                            events.append(await _kill_and_restart(stack, services, lives, name))
+                        finally:
+                            victims.down.discard(name[:-1])
+
+                    while most_kills is None or len(restarts) < most_kills:
                         await asyncio.sleep(rng.uniform(*pause_s))
                         if most_kills is None and time.perf_counter() - started >= duration_s:
-                            return
-                        events.append(await _kill_and_restart(stack, services, lives, next(victims), model))
-                    await asyncio.sleep(rng.uniform(*pause_s))  # load on the last restarted instance too
+                            break
+                        restarts.append(asyncio.create_task(kill(await victims.next())))
+                    await asyncio.gather(*restarts)
+                    await asyncio.sleep(rng.uniform(*pause_s))  # load on the last restarted instances too
 
                 async def sample_rss() -> None:
                     while not stop.is_set():
@@ -272,8 +295,8 @@ def report(doc: dict) -> list[str]:
         f"Command: `{doc['command']}`  ",
         f"Machine: {machine(doc)}  ",
         f"Two encoders, prefills and decodes behind one gateway; {doc['concurrency']} clients sending one-image greedy requests "
-        f"({doc['output_tokens']} tokens) for {doc['load_s']:.0f} s; {doc['pause_s'][0]:g}-{doc['pause_s'][1]:g} s after each victim rejoined, "
-        "a random instance of a random stage SIGKILLed and restarted at its address.",
+        f"({doc['output_tokens']} tokens) for {doc['load_s']:.0f} s; every {doc['pause_s'][0]:g}-{doc['pause_s'][1]:g} s, "
+        "a random instance of a random stage whose other instance was up SIGKILLed and restarted at its address.",
         "",
         f"**{doc['failed']} of {doc['requests']} requests failed**{' (' + '; '.join(doc['errors']) + ')' if doc['errors'] else ''}; "
         f"{doc['wrong_tokens']} replies differed from their oracle. {doc['resumed_replies']} replies were resumed mid-stream, "

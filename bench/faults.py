@@ -122,12 +122,7 @@ def _first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-def restart_args(victim: ServiceProcess, stage: str, model: str) -> list[str]:
-    args = {"encoder": ["encoder"], "prefill": ["prefill"], "decode": ["decode", "--mode", "decode"]}[stage]
-    return [*args, "--model", model, "--port", str(victim.port), "--metrics-port", "0"]
-
-
-async def _scenario(stack: Stack, services: dict[str, ServiceProcess], stage: str, model: str, stub, requests, expected: dict, load_s: float) -> dict[str, Any]:
+async def _scenario(stack: Stack, services: dict[str, ServiceProcess], stage: str, stub, requests, expected: dict, load_s: float) -> dict[str, Any]:
     gateway, victim = services["gateway"], services[f"{stage}1"]
     late_before = _counts(services, "prefill", _LATE_KV_NOTIFICATIONS)
     releases_before = _counts(services, "decode", _KV_RELEASES)
@@ -145,7 +140,7 @@ async def _scenario(stack: Stack, services: dict[str, ServiceProcess], stage: st
     if stage == "decode":
         await asyncio.sleep(load_s)
     else:
-        reborn = stack.start(f"{stage}1-restarted", restart_args(victim, stage, model))
+        reborn = stack.restart(victim)
         await asyncio.to_thread(stack.wait_ready, [reborn], 900)
         result["rejoin_s"] = await wait_gauge(gateway, stage, reborn.address, 1.0, 60)
         services[f"{stage}1"] = reborn
@@ -195,7 +190,7 @@ def run(*, quick: bool = False, results_dir: pathlib.Path = RESULTS_DIR, command
             async with grpc.aio.insecure_channel(services["gateway"].address, options=CLIENT_OPTIONS) as channel:
                 stub = gateway_pb2_grpc.GatewayServiceStub(channel)
                 expected = {i: (await generate(stub, r, timeout=120)).token_ids for i, r in enumerate(requests)}
-                return [await _scenario(stack, services, stage, model, stub, requests, expected, load_s) for stage in SCENARIOS]
+                return [await _scenario(stack, services, stage, stub, requests, expected, load_s) for stage in SCENARIOS]
         finally:
             await asyncio.to_thread(stack.stop)
 

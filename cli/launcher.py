@@ -42,7 +42,9 @@ class ServiceProcess:
         """``host``: where peers reach it (its ``--host``); ``wrapper``: a command that runs it,
         say ``ip netns exec NAME`` (it must exec the service, so the PID stays the service's)."""
         self.name = name
+        self.args = args
         self.host = host
+        self._placement = {"env": env, "host": host, "wrapper": wrapper}
         self.log_path = log_dir / f"{name}.log"
         # O_APPEND: the service writes its stderr here itself, and _read_stdout adds its other
         # stdout lines (vLLM logs to stdout, its engine core included); whole writes interleave.
@@ -180,6 +182,33 @@ class Stack:
         self.services.append(service)
         return service
 
+    def restart(self, service: ServiceProcess) -> ServiceProcess:
+        """Starts ``service`` again at its address, as a supervisor restarts a process that died
+        (its log continues under a new name); the new process takes its place in the stack."""
+        again = ServiceProcess(f"{service.name}-restarted", [*service.args, "--port", str(service.port)], log_dir=self.log_dir, **service._placement)
+        if service in self.services:
+            self.services[self.services.index(service)] = again
+        else:
+            self.services.append(again)
+        return again
+
+    def supervise(self) -> None:
+        """Until a service exits for good: starts again every service whose engine core died (it
+        exits with ``EXIT_ENGINE_DIED``); any other exit ends it, returning."""
+        from epd.server import EXIT_ENGINE_DIED
+
+        while True:
+            time.sleep(1)
+            for service in list(self.services):
+                status = service.process.poll()
+                if status is None:
+                    continue
+                if status != EXIT_ENGINE_DIED:
+                    logger.error("%s exited with status %s; stopping the stack", service.name, status)
+                    return
+                logger.warning("%s: its vLLM engine core died; starting it again at %s", service.name, service.address)
+                self.restart(service)
+
     @contextlib.contextmanager
     def temporary(self, name: str, args: list[str], timeout: float = 300):
         """A service that lives for one ``with`` block, ready on entry, gone on exit."""
@@ -291,8 +320,7 @@ def up_cli(args) -> int:
         if args.demo:
             return asyncio.run(_demo(gateway.address, model))
         print(f"[epd up] ready: epd generate --gateway {gateway.address} --media cat.png 'Describe this'  (Ctrl-C stops)", flush=True)
-        while all(s.process.poll() is None for s in stack.services):
-            time.sleep(1)
+        stack.supervise()
         return 1
     except KeyboardInterrupt:
         return 0

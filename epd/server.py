@@ -223,6 +223,12 @@ def configure_logging(level: str = "INFO") -> None:
 
 
 _ENGINE_WATCH_S = 1.0
+# A service whose vLLM engine core died exits with this status, so that its supervisor (Kubernetes,
+# ``epd up``) starts it again: vLLM cannot restart an engine core in place. EX_TEMPFAIL.
+EXIT_ENGINE_DIED = 75
+# How long a service whose engine died still answers NOT_SERVING before it exits: the gateways'
+# health watches see it leave (and stop routing to it) rather than a refused connection.
+_DEAD_ENGINE_GRACE_S = 5.0
 
 
 async def run_service(host: GrpcHost, engine=None, *, on_ready=None, on_stop=None) -> None:
@@ -231,11 +237,13 @@ async def run_service(host: GrpcHost, engine=None, *, on_ready=None, on_stop=Non
     Listen first (liveness SERVING, readiness NOT_SERVING), start the engine off the event loop,
     call ``on_ready(engine)`` (the servicer takes its runner), then report SERVING until SIGTERM.
     Readiness follows the engine: if its core dies, the service reports NOT_SERVING (liveness
-    too, so an orchestrator restarts it) instead of failing every request while looking
-    healthy. Shutdown drains the server, then calls ``on_stop()``, then stops the engine.
+    too) instead of failing every request while looking healthy, and exits with
+    :data:`EXIT_ENGINE_DIED` for its supervisor to start it again. Shutdown drains the server,
+    then calls ``on_stop()``, then stops the engine.
     """
     await host.start()
     started = engine is None
+    died = False
     try:
         if engine is not None:
             started = await _start_engine(host, engine)
@@ -245,7 +253,7 @@ async def run_service(host: GrpcHost, engine=None, *, on_ready=None, on_stop=Non
         if on_ready is not None:
             on_ready(engine)
         await host.set_ready()
-        await _serve_until_stopped(host, engine)
+        died = await _serve_until_stopped(host, engine)
     finally:
         await host.stop()
         if on_stop is not None and inspect.isawaitable(stopped := on_stop()):
@@ -254,6 +262,8 @@ async def run_service(host: GrpcHost, engine=None, *, on_ready=None, on_stop=Non
             engine.shutdown()
         elif not started:
             _kill_children()
+    if died:
+        raise SystemExit(EXIT_ENGINE_DIED)
 
 
 async def _start_engine(host: GrpcHost, engine) -> bool:
@@ -297,15 +307,19 @@ def _kill_children() -> None:
             child.kill()
 
 
-async def _serve_until_stopped(host: GrpcHost, engine) -> None:
+async def _serve_until_stopped(host: GrpcHost, engine) -> bool:
+    """Serves until SIGTERM, or until the engine core dies (True)."""
     stopped = asyncio.create_task(host.wait_for_termination())
     while engine is not None and not stopped.done():
         await asyncio.wait([stopped], timeout=_ENGINE_WATCH_S)
         if not engine.alive:
-            logger.error("%s: the vLLM engine died; reporting NOT_SERVING until restarted", host.service_name)
+            logger.error("%s: the vLLM engine core died; NOT_SERVING, exiting with status %d to be started again", host.service_name, EXIT_ENGINE_DIED)
             await host.set_dead()
-            break
+            await asyncio.wait([stopped], timeout=_DEAD_ENGINE_GRACE_S)
+            stopped.cancel()
+            return True
     await stopped
+    return False
 
 
 def _bind_engine_gauges(engine) -> None:

@@ -16,6 +16,7 @@ from devkit.media import synthetic_image_png
 from epd import wire
 from epd.client import chat_request, generate
 from epd.domain import ChatMessage, Role, TextPart
+from epd.server import EXIT_ENGINE_DIED
 from epd.telemetry import scrape
 from epd.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from tests.helpers import SMALL_KV_CACHE, gateway_stub, wait_for_metric
@@ -143,9 +144,11 @@ async def test_sigterm_drains_in_flight_streams_and_refuses_new_ones(family_stac
     assert scrape(family_stack.combined.metrics_port).get(cancelled, 0.0) == before.get(cancelled, 0.0)
 
 
-async def test_readiness_follows_the_engine(family_stack):
+async def test_a_service_whose_engine_dies_leaves_and_is_started_again(family_stack):
     """When a service's vLLM engine core dies, the service stops claiming to serve: readiness and
-    liveness go NOT_SERVING (an orchestrator then restarts it) instead of failing every call."""
+    liveness go NOT_SERVING instead of failing every call, and a call that still reaches it is
+    UNAVAILABLE. Then it exits with EXIT_ENGINE_DIED, and its supervisor (``epd up``'s, here the
+    launcher's restart) starts it again at its address, where it serves the monolithic tokens."""
     import os
     import signal
 
@@ -179,6 +182,20 @@ async def test_readiness_follows_the_engine(family_stack):
         assert all(s == health_pb2.HealthCheckResponse.NOT_SERVING for s in statuses.values()), statuses
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
         assert "engine core has died" in refused.value.details()
+        assert await asyncio.to_thread(service.process.wait, 60) == EXIT_ENGINE_DIED
+        again = family_stack.stack.restart(service)
+        try:
+            family_stack.stack.wait_ready([again], timeout=600)
+            assert again.address == service.address
+            parts = [(synthetic_image_png(96, 96, seed=77), "image/png"), "Hello"]
+            oracle = await generate(family_stack.gateway_stub("monolithic"), chat_request(parts, max_tokens=6), timeout=120)
+            args = gateway_args(family_stack.model, "epd-combined", encoders=[family_stack.encoder.address], decodes=[again.address])
+            with family_stack.stack.temporary("gateway-to-the-restarted", args) as gateway:
+                gateway.wait_serving()
+                assert (await generate(gateway_stub(gateway.address), chat_request(parts, max_tokens=6), timeout=120)).token_ids == oracle.token_ids
+        finally:
+            again.stop()
+            family_stack.stack.services.remove(again)
 
 
 async def test_idle_services_leave_the_cpu_idle(family_stack):

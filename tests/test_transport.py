@@ -8,6 +8,7 @@ it cannot load) is tested with the real reader, on plain request records.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import multiprocessing
 import socket
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from typing import Any
 
+import grpc
 import psutil
 import pytest
 import torch
@@ -39,7 +41,7 @@ from epd.transport.wire.credentials import TransferCredentials
 from epd.transport.wire.errors import TransferError
 from epd.transport.wire.location import decode_descriptors, encode_descriptors, location_tag
 from epd.transport.wire.nixl import LeaseReleaser, NixlReader, Read
-from epd.v1 import multimodal_pb2
+from epd.v1 import encoder_pb2_grpc, multimodal_pb2
 from tests.transport_producer import ARENA_BYTES, SLOT_BYTES, make_rows, producer_main
 
 pytestmark = pytest.mark.timeout(90)
@@ -205,6 +207,20 @@ def test_a_location_altered_in_any_field_is_refused_before_any_read(producer, re
     assert producer("reap_until_idle") == 0
 
 
+def test_a_consumed_handle_replayed_is_refused_without_a_read(producer, reader, receive_buffer):
+    """A handle's READ ends its lease, but a fill the encoder keeps as its cache would still
+    answer it until it expires: the reader refuses a lease it has read once."""
+    location = producer("publish", 35, 2, 64, "float32")
+    reader.submit([Read("first", location, SharedCounters.BYTES)])
+    assert _drain(reader, 1) == {"first": None}
+    receive_buffer.tensor.fill_(0xAB)
+    reader.submit([Read("replay", location, SharedCounters.BYTES)])
+    (error,) = _drain(reader, 1).values()
+    assert "was read here already" in error, error
+    assert bool((receive_buffer.tensor == 0xAB).all())
+    assert producer("reap_until_idle") == 0
+
+
 def test_a_forged_lease_id_frees_nothing(producer, reader, releaser):
     """Lease ids are 128 random bits; ending a lease takes its exact id, through either path."""
     victim = producer("publish", 93, 2, 64, "float32")
@@ -348,6 +364,43 @@ def _record(reader: NixlReader, monkeypatch) -> _AgentCalls:
     for name, method in [("prepare", prepare), ("release_prepared", release_prepared), ("post_prepared_read", post_prepared_read), ("post_read", post_read)]:
         monkeypatch.setattr(agent, name, method)
     return calls
+
+
+class _ImpostorEncoder(encoder_pb2_grpc.EncoderServiceServicer):
+    """A peer that answers GetTransferMetadata with the real encoder's metadata under a name of
+    its own."""
+
+    def __init__(self, credentials) -> None:
+        self._credentials = dataclasses.replace(credentials, agent_name="impostor")
+
+    def GetTransferMetadata(self, request, context):
+        return self._credentials.to_wire()
+
+
+def test_a_forged_peer_cannot_evict_the_real_encoders_agent(producer, reader, receive_buffer):
+    """The field finding: a Prefill naming an address that serves the real encoder's metadata as
+    another agent made the consumer drop the real agent (NIXL then failed the real encoder's
+    READs with NIXL_ERR_NOT_FOUND, and the gateway retried them). The forged read fails; the
+    real agent stays loaded, bound to the address it came from."""
+    warm = producer("publish", 97, 2, 64, "float32")
+    reader.submit([Read("warm", warm, SharedCounters.BYTES)])
+    assert _drain(reader, 1) == {"warm": None}
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=1))
+    encoder_pb2_grpc.add_EncoderServiceServicer_to_server(_ImpostorEncoder(producer("credentials")), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        good = producer("publish", 98, 2, 64, "float32")
+        forged = dataclasses.replace(good, encoder_address=f"127.0.0.1:{port}", agent_name="impostor")
+        reader.submit([Read("forged", forged, 0)])
+        (error,) = _drain(reader, 1).values()
+        assert "sent metadata of agent" in error and "as 'impostor'" in error, error
+        reader.submit([Read("good", good, SharedCounters.BYTES)])
+        assert _drain(reader, 1) == {"good": None}
+        assert torch.equal(_rows_at(receive_buffer, SharedCounters.BYTES, 2, 64, "float32"), make_rows(98, 2, 64))
+    finally:
+        server.stop(None)
+    assert producer("reap_until_idle") == 0
 
 
 def test_the_producers_credentials_describe_its_arena(producer, releaser):

@@ -41,6 +41,7 @@ which services can import without NIXL.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import secrets
@@ -64,6 +65,9 @@ logger = logging.getLogger(__name__)
 
 # A lease id list travels as one notification message, ids joined by this separator.
 _LEASE_SEPARATOR = ","
+# Lease ids a reader remembers having read, to refuse replays: far more than are live at once
+# (a lease lives --lease-ttl-s at most), so a replay within a handle's life is always caught.
+_CONSUMED_KEPT = 65536
 _KEY_BYTES = 32
 
 
@@ -260,6 +264,8 @@ class NixlReader:
         self._loaded: dict[str, str] = {}  # NIXL agent name -> encoder address it was loaded for
         self._transfers: list[_Transfer] = []
         self._finished: list[tuple[Hashable, str | None]] = []
+        # Leases read here, newest last: a handle is good for one read (see _post).
+        self._consumed: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     @property
     def busy(self) -> bool:
@@ -402,7 +408,11 @@ class NixlReader:
         try:
             name = self._agent.load_peer(incoming.agent_metadata)
             if name != incoming.agent_name:
-                self._forget_agent(name)
+                # An agent's metadata stays bound to the address it was first fetched from: one
+                # another address serves (a forged peer replaying a real encoder's metadata)
+                # is never dropped for it.
+                if self._loaded.get(name, producer.address) == producer.address:
+                    self._forget_agent(name)
                 raise TransferError(f"the encoder at {producer.address} sent metadata of agent {name!r} as {incoming.agent_name!r}")
         except TransferError as exc:
             # Nothing is loaded now, so the next read must fetch and load afresh: without
@@ -440,6 +450,11 @@ class NixlReader:
         cutoff_ms = time.time_ns() // 1_000_000 + self._expiry_margin_ms
         posted: list[tuple[Read, list[Row]]] = []
         for read in reads:
+            if read.location.lease_id in self._consumed:
+                # A replayed handle: its READ ended the lease, and a fill the encoder keeps as its
+                # cache would still answer it until the handle expires.
+                self._finished.append((read.key, f"lease {read.location.lease_id} from {agent!r} was read here already: a handle is good for one read"))
+                continue
             if read.location.expires_at_unix_ms <= cutoff_ms:
                 self._finished.append(
                     (read.key, f"lease {read.location.lease_id} from {agent!r} expired or expires within {self._expiry_margin_ms} ms")
@@ -466,6 +481,10 @@ class NixlReader:
             self._finished += [(read.key, str(exc)) for read, _ in posted]
             return
         self._transfers.append(_Transfer(producer.address, agent, handle, [read.key for read, _ in posted], now))
+        for read, _ in posted:
+            self._consumed[read.location.lease_id] = None
+        while len(self._consumed) > _CONSUMED_KEPT:
+            self._consumed.popitem(last=False)
 
     def _page_indices(self, arena: _Arena, posted: list[tuple[Read, list[Row]]]) -> tuple[np.ndarray, np.ndarray] | None:
         """(local, remote) page indices for the prepared lists, each item rounded up to whole
