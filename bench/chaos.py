@@ -5,11 +5,11 @@ One E/P/D deployment of the tiny Qwen2.5-VL with two encoders, two prefills and 
 behind one gateway (``bench.faults.start_two_of_each``), and a monolithic gateway as the oracle,
 all on loopback. A closed loop of ``concurrency`` clients sends one-image greedy requests
 (``OUTPUT_TOKENS`` each, long enough that decodes die mid-stream) for ``DURATION_S``. Meanwhile,
-every ``PAUSE_S`` (20-40 s, drawn at random) a random instance of a random stage (every stage
+every ``PAUSE_S`` (20-40 s, drawn at random) the busiest instance of a random stage (every stage
 once in each round of three) is SIGKILLed, service and engine core, and restarted at its address
 as soon as its port has closed. Only a stage whose other instance is up is chosen, so the
 deployment always has a live instance of each stage, as with one failure domain down at a
-time; restarts overlap. The short form (``--quick``, CI) kills one instance of each stage, 3-6 s
+time; restarts overlap. The short form (``--quick``, CI) kills one instance of each stage, 8-12 s
 apart.
 
 Checked and reported:
@@ -55,7 +55,7 @@ CONCURRENCY = 8
 OUTPUT_TOKENS = 192
 DURATION_S = 300.0
 QUICK_KILLS = len(STAGES)  # the short form (CI): one instance of each stage, in random order
-PAUSE_S, QUICK_PAUSE_S = (20.0, 40.0), (3.0, 6.0)
+PAUSE_S, QUICK_PAUSE_S = (20.0, 40.0), (8.0, 12.0)
 WARM_UP_S = 20.0  # an instance's RSS counts from this long after it is ready
 _RSS_EVERY_S = 5.0
 _DRAIN_S = 30.0
@@ -109,12 +109,14 @@ def _end_state(services: dict[str, ServiceProcess]) -> dict[str, float]:
 
 
 class _Victims:
-    """Random instances of random stages, every stage once in each round of three (so that a
-    short run hits each), and only of a stage whose other instance is up: one instance of each
-    stage is always live, as with one failure domain down at a time."""
+    """Random stages, every stage once in each round of three (so that a short run hits each),
+    and only a stage whose other instance is up: one instance of each stage is always live, as
+    with one failure domain down at a time. Of the stage, the instance serving the most calls
+    (ties at random): a kill that finds no request in flight tests nothing."""
 
-    def __init__(self, rng: random.Random) -> None:
+    def __init__(self, rng: random.Random, services: dict[str, ServiceProcess]) -> None:
         self._rng = rng
+        self._services = services
         self._round: list[str] = []
         self.down: set[str] = set()  # stages with an instance killed and not yet back
 
@@ -125,7 +127,8 @@ class _Victims:
             stage = next((s for s in self._round if s not in self.down), None)
             if stage is not None:
                 self._round.remove(stage)
-                return f"{stage}{self._rng.randrange(2)}"
+                busy = {f"{stage}{i}": scrape(self._services[f"{stage}{i}"].metrics_port).get(f"epd_requests_in_flight{{service={stage}}}", 0.0) for i in range(2)}
+                return max(self._rng.sample(sorted(busy), 2), key=busy.get)
             await asyncio.sleep(0.5)
 
 
@@ -214,7 +217,7 @@ def run(*, quick: bool = False, duration_s: float | None = None, seed: int = 0, 
                 events: list[dict[str, Any]] = []
 
                 async def chaos() -> None:
-                    victims, restarts = _Victims(rng), []
+                    victims, restarts = _Victims(rng, services), []
 
                     async def kill(name: str) -> None:
                         victims.down.add(name[:-1])
@@ -296,7 +299,7 @@ def report(doc: dict) -> list[str]:
         f"Machine: {machine(doc)}  ",
         f"Two encoders, prefills and decodes behind one gateway; {doc['concurrency']} clients sending one-image greedy requests "
         f"({doc['output_tokens']} tokens) for {doc['load_s']:.0f} s; every {doc['pause_s'][0]:g}-{doc['pause_s'][1]:g} s, "
-        "a random instance of a random stage whose other instance was up SIGKILLed and restarted at its address.",
+        "the busiest instance of a random stage whose other instance was up SIGKILLed and restarted at its address.",
         "",
         f"**{doc['failed']} of {doc['requests']} requests failed**{' (' + '; '.join(doc['errors']) + ')' if doc['errors'] else ''}; "
         f"{doc['wrong_tokens']} replies differed from their oracle. {doc['resumed_replies']} replies were resumed mid-stream, "
