@@ -192,13 +192,13 @@ class Stack:
             self.services.append(again)
         return again
 
-    def supervise(self) -> None:
-        """Until a service exits for good: starts again every service whose engine core died (it
-        exits with ``EXIT_ENGINE_DIED``); any other exit ends it, returning."""
+    def supervise(self, stop: threading.Event | None = None) -> None:
+        """Until a service exits for good (or ``stop`` is set): starts again every service whose
+        engine core died (it exits with ``EXIT_ENGINE_DIED``); any other exit ends it, returning."""
         from epd.server import EXIT_ENGINE_DIED
 
-        while True:
-            time.sleep(1)
+        stop = stop or threading.Event()
+        while not stop.wait(1):
             for service in list(self.services):
                 status = service.process.poll()
                 if status is None:

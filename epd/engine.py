@@ -33,7 +33,7 @@ from epd.domain import FinishReason, KvHandoff, Modality, Sampling
 from epd.errors import InvalidArgument, Unavailable
 from epd.ports import free_port
 from epd.security import TlsConfig
-from epd.transport import EC_CONNECTOR_MODULE, HANDOFF_REFUSED, KV_CONNECTOR_MODULE
+from epd.transport import CALLER_FAULTS, EC_CONNECTOR_MODULE, KV_CONNECTOR_MODULE
 
 logger = logging.getLogger(__name__)
 
@@ -331,10 +331,11 @@ class Engine:
                     if reason is None:
                         # vLLM's "error": the engine failed this request alone, e.g. an embedding
                         # or KV load that did not complete. Retryable, never a silent empty reply;
-                        # unless the KV handoff was the caller's mistake (or a forgery).
+                        # unless a connector found the caller's input at fault (or forged).
                         why = await self._why_failed(request_id, completion.finish_reason)
-                        if HANDOFF_REFUSED in why:
-                            raise InvalidArgument.for_field("kv_handoff", why)
+                        field = next((field for marker, field in CALLER_FAULTS.items() if marker in why), None)
+                        if field is not None:
+                            raise InvalidArgument.for_field(field, why)
                         raise Unavailable(f"engine failed request {request_id}: {why}")
                 kv_handoff = kv_handoff_from_engine(output.kv_transfer_params) if finished else None
                 if kv_handoff is not None:

@@ -461,6 +461,26 @@ async def test_an_item_under_another_items_content_hash_is_refused_and_never_cac
     assert (await generate(family_stack.gateway_stub("epd"), request, timeout=120)).token_ids == oracle.token_ids
 
 
+async def test_a_genuine_handle_under_another_images_content_hash_never_enters_the_cache(family_stack):
+    """The poisoning attack: a Prefill carrying the caller's own genuine embedding handle under
+    another image's content hash (same size, so the same layout). The slot the encoder wrote
+    names the caller's image, so the prefill refuses it (INVALID_ARGUMENT) before vLLM caches
+    it, and a later request for the other image through the gateway gets its own tokens."""
+    victim, own = synthetic_image_png(104, 88, seed=78), synthetic_image_png(104, 88, seed=79)
+    victims_hash = content_hash(MediaFile(victim, "image/png"))
+
+    def under_the_victims_hash(items):
+        items[0].metadata.content_hash = victims_hash
+
+    error = await encode_then_prefill(family_stack, [(own, "image/png"), "Describe."], under_the_victims_hash)
+    assert error is not None and error.code() == grpc.StatusCode.INVALID_ARGUMENT, error
+    assert violations(error) == ["items"] and "another item than its content hash names" in error.details(), error.details()
+    request = chat_request([(victim, "image/png"), "Describe."], max_tokens=8)
+    oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=120)
+    for mode in DISAGGREGATED_MODES:
+        assert (await generate(family_stack.gateway_stub(mode), request, timeout=120)).token_ids == oracle.token_ids, mode
+
+
 async def test_an_engine_that_fails_a_request_says_why(family_stack):
     """vLLM ends a request its EC consumer cannot serve with finish reason "error" alone; the
     status names the cause the consumer found (here, an encoder address that refuses)."""

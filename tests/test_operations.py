@@ -11,7 +11,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from cli.launcher import gateway_args
+from cli.launcher import Stack, gateway_args
 from devkit.media import synthetic_image_png
 from epd import wire
 from epd.client import chat_request, generate
@@ -147,15 +147,22 @@ async def test_sigterm_drains_in_flight_streams_and_refuses_new_ones(family_stac
 async def test_a_service_whose_engine_dies_leaves_and_is_started_again(family_stack):
     """When a service's vLLM engine core dies, the service stops claiming to serve: readiness and
     liveness go NOT_SERVING instead of failing every call, and a call that still reaches it is
-    UNAVAILABLE. Then it exits with EXIT_ENGINE_DIED, and its supervisor (``epd up``'s, here the
-    launcher's restart) starts it again at its address, where it serves the monolithic tokens."""
+    UNAVAILABLE. Then it exits with EXIT_ENGINE_DIED, and ``epd up``'s supervisor starts it
+    again at its address, where it serves the monolithic tokens."""
     import os
     import signal
+    import threading
 
     import psutil
 
-    args = ["decode", "--model", family_stack.model, "--mode", "combined", *SMALL_KV_CACHE]
-    with family_stack.stack.temporary("combined-doomed", args) as service:
+    stack = Stack(family_stack.stack.log_dir)
+    stop_supervising = threading.Event()
+    supervisor = None
+    try:
+        service = stack.start("combined-doomed", ["decode", "--model", family_stack.model, "--mode", "combined", *SMALL_KV_CACHE])
+        stack.wait_ready([service], timeout=600)
+        supervisor = threading.Thread(target=stack.supervise, args=(stop_supervising,), daemon=True)
+        supervisor.start()
         (engine_core,) = [p for p in psutil.Process(service.process.pid).children() if "EngineCore" in " ".join(p.cmdline()) or p.name().startswith("VLLM")]
         os.kill(engine_core.pid, signal.SIGKILL)
         async with grpc.aio.insecure_channel(service.address) as channel:
@@ -183,19 +190,24 @@ async def test_a_service_whose_engine_dies_leaves_and_is_started_again(family_st
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value.details()
         assert "engine core has died" in refused.value.details()
         assert await asyncio.to_thread(service.process.wait, 60) == EXIT_ENGINE_DIED
-        again = family_stack.stack.restart(service)
-        try:
-            family_stack.stack.wait_ready([again], timeout=600)
-            assert again.address == service.address
-            parts = [(synthetic_image_png(96, 96, seed=77), "image/png"), "Hello"]
-            oracle = await generate(family_stack.gateway_stub("monolithic"), chat_request(parts, max_tokens=6), timeout=120)
-            args = gateway_args(family_stack.model, "epd-combined", encoders=[family_stack.encoder.address], decodes=[again.address])
-            with family_stack.stack.temporary("gateway-to-the-restarted", args) as gateway:
-                gateway.wait_serving()
-                assert (await generate(gateway_stub(gateway.address), chat_request(parts, max_tokens=6), timeout=120)).token_ids == oracle.token_ids
-        finally:
-            again.stop()
-            family_stack.stack.services.remove(again)
+
+        deadline = asyncio.get_running_loop().time() + 30
+        while stack.services == [service] and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.2)
+        (again,) = stack.services
+        assert again is not service and again.args[-2:] == ["--port", str(service.port)]
+        await asyncio.to_thread(stack.wait_ready, [again], 600)
+        parts = [(synthetic_image_png(96, 96, seed=77), "image/png"), "Hello"]
+        oracle = await generate(family_stack.gateway_stub("monolithic"), chat_request(parts, max_tokens=6), timeout=120)
+        args = gateway_args(family_stack.model, "epd-combined", encoders=[family_stack.encoder.address], decodes=[service.address])
+        with family_stack.stack.temporary("gateway-to-the-restarted", args) as gateway:
+            gateway.wait_serving()
+            assert (await generate(gateway_stub(gateway.address), chat_request(parts, max_tokens=6), timeout=120)).token_ids == oracle.token_ids
+    finally:
+        stop_supervising.set()
+        if supervisor is not None:
+            supervisor.join(5)
+        stack.stop()
 
 
 async def test_idle_services_leave_the_cpu_idle(family_stack):

@@ -39,7 +39,7 @@ _EXPORTS = {
     "RECEIVE_COUNTERS": "epd.transport.connector.ec_consumer",
     "DESK_KEY": "epd.transport.connector.kv_connector",
     "ConnectorDeskClient": "epd.transport.desk",
-    "HANDOFF_REFUSED": "epd.transport.desk",
+    "CALLER_FAULTS": "epd.transport.desk",
     "configure_ucx": "epd.transport.wire.agent",
     "TransferCredentials": "epd.transport.wire.credentials",
     "LeaseReleaser": "epd.transport.wire.nixl",

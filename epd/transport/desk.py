@@ -56,9 +56,11 @@ class GaveUp(msgspec.Struct, tag=True):
 
 Question = LeaseHeld | WhyFailed | GaveUp
 
-# What a reason noted for a KV handoff the engine could not use says (the caller's input, not a
-# transfer that failed): the service reports it as INVALID_ARGUMENT.
-HANDOFF_REFUSED = "its kv_handoff does not fit this engine's KV cache"
+# What a reason noted for the caller's input, not for a transfer that failed, says: the service
+# reports such a failure as INVALID_ARGUMENT on the field named (CALLER_FAULTS), not UNAVAILABLE.
+HANDOFF_REFUSED = "its kv_handoff does not fit this engine's KV cache"  # the KV connector's
+EMBEDDING_REFUSED = "an embedding handle holds another item than its content hash names"  # the EC consumer's
+CALLER_FAULTS = {HANDOFF_REFUSED: "kv_handoff", EMBEDDING_REFUSED: "items"}
 
 # Reasons kept for requests the service has not asked about yet (it asks at once, so this only
 # bounds what requests nobody asks about, such as aborted ones, leave behind).

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from epd.domain import EmbeddingLocation, InlineEmbedding, NixlLocation
 from epd.transport.connector.ec_params import ExpectedItem, expected_from_params
-from epd.transport.desk import open_desk
+from epd.transport.desk import EMBEDDING_REFUSED, open_desk
 from epd.transport.memory.arena import SharedCounters
 from epd.transport.memory.shared_buffer import SharedBuffer
 from epd.transport.memory.slot_header import DTYPES, HEADER_BYTES, SlotHeader, header_fields, ready_fields, slot_bytes
@@ -275,7 +275,12 @@ class ConsumerScheduler:
         expected = item.expected
         if error is None and isinstance(expected.location, NixlLocation):
             promised = ready_fields(expected.dtype, expected.location.slot_generation, expected.rows, expected.width, mm_hash)
-            if header_fields(self._view, item.offset) != promised:
+            found = header_fields(self._view, item.offset)
+            if found[:-1] == promised[:-1] and found != promised:
+                # The very fill the handle was issued for, of another item: a caller's genuine
+                # handle sent under this content hash (no slot turnover produces that).
+                error = f"{EMBEDDING_REFUSED}: the encoder wrote lease {expected.location.lease_id} for another item than {mm_hash[:16]}..."
+            elif found != promised:
                 error = (
                     f"the producer's slot does not hold item {mm_hash[:16]}... of lease {expected.location.lease_id} as promised "
                     f"({self._describe_slot(mm_hash, item.offset)})"
