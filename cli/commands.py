@@ -89,6 +89,10 @@ _HELP = {
     "allowed_media_domains": "comma-separated hosts (exact names, no subdomains) the HTTP front may fetch media URLs from; empty: URLs refused",
     "media_fetch_timeout_s": "limit on fetching all remote media of one request, redirects included",
 }
+_HANDOFF_KEY_HELP = (
+    "the key every prefill and decode of a deployment shares (a file; its text is hashed): prefills seal each KV handoff with it, "
+    "decodes take only sealed ones; empty: handoffs are not sealed (said at start)"
+)
 _SERVER_TLS_FIELDS = ("tls_cert", "tls_key", "tls_ca", "require_client_cert", "allowed_peers")
 _HTTP_FIELDS = ("http_port", "allowed_media_domains", "media_fetch_timeout_s")
 _CLIENT_TLS_FIELDS = ("tls_ca", "tls_cert", "tls_key")
@@ -170,12 +174,14 @@ def build_parser() -> argparse.ArgumentParser:
     _server_flags(pre)
     _engine_flags(pre, _KV_FIELDS, _RECEIVE_FIELDS)
     pre.add_argument("--allow-inline-embeddings", action="store_true", help="accept embeddings inline in gRPC (benchmarks)")
+    pre.add_argument("--handoff-key-file", default="", help=_HANDOFF_KEY_HELP)
 
     dec = sub.add_parser("decode", help="run the decode service (E/P/D from a KV handoff, and E+PD; --mode combined: E+PD only)")
     _server_flags(dec)
     _engine_flags(dec, _KV_FIELDS, _RECEIVE_FIELDS)
     dec.add_argument("--mode", choices=["decode", "combined"], default="decode")
     dec.add_argument("--allow-inline-embeddings", action="store_true", help="E+PD requests: accept embeddings inline in gRPC (benchmarks)")
+    dec.add_argument("--handoff-key-file", default="", help=_HANDOFF_KEY_HELP)
 
     gw = sub.add_parser("gateway", help="run the public gateway")
     gw.add_argument(
@@ -314,12 +320,12 @@ def _run_service(args) -> None:
     elif args.command == "prefill":
         from services.prefill.server import serve
 
-        asyncio.run(serve(_engine_config(args, _KV_FIELDS, _RECEIVE_FIELDS), server, allow_inline=args.allow_inline_embeddings))
+        asyncio.run(serve(_engine_config(args, _KV_FIELDS, _RECEIVE_FIELDS), server, allow_inline=args.allow_inline_embeddings, handoff_key_file=args.handoff_key_file))
     elif args.command == "decode":
         from services.decode.server import DecodeMode, serve
 
         engine = _engine_config(args, _KV_FIELDS, _RECEIVE_FIELDS)
-        asyncio.run(serve(DecodeMode(args.mode), engine, server, allow_inline=args.allow_inline_embeddings))
+        asyncio.run(serve(DecodeMode(args.mode), engine, server, allow_inline=args.allow_inline_embeddings, handoff_key_file=args.handoff_key_file))
     else:
         from gateway.pipeline import Mode
         from gateway.server import serve

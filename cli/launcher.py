@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import pathlib
+import secrets
 import signal
 import subprocess
 import sys
@@ -258,16 +259,27 @@ def shared_cache_flags(tier: ServiceProcess) -> list[str]:
     return ["--shared-cache-master", tier.address, "--shared-cache-metadata", f"http://{tier.host}:{tier.announced['metadata_port']}/metadata"]
 
 
+def handoff_key_flags(folder: pathlib.Path) -> list[str]:
+    """Prefill and decode flags that seal KV handoffs with a random key written under ``folder``
+    (readable by this user only): every prefill and decode of one deployment gets the same."""
+    path = folder / "handoff.key"
+    if not path.exists():
+        path.touch(mode=0o600)
+        path.write_text(secrets.token_hex(32))
+    return ["--handoff-key-file", str(path)]
+
+
 def start_disaggregated(
     stack: Stack, model: str, mode: str, *, encoders: int = 1, prefills: int = 1, decodes: int = 1, gateway_extra=(), encoder_extra=()
 ) -> ServiceProcess:
     """Starts encoders (with ``encoder_extra`` arguments), prefills (E/P/D only), decodes and a
     gateway (with ``gateway_extra``); returns the gateway."""
     model_flag = ["--model", model]
+    sealed = handoff_key_flags(stack.log_dir)
     stage = [stack.start(f"encoder{i}", ["encoder", *model_flag, *encoder_extra]) for i in range(encoders)]
-    pre = [stack.start(f"prefill{i}", ["prefill", *model_flag]) for i in range(prefills if mode == "epd" else 0)]
+    pre = [stack.start(f"prefill{i}", ["prefill", *model_flag, *sealed]) for i in range(prefills if mode == "epd" else 0)]
     dec_mode = "decode" if mode == "epd" else "combined"
-    dec = [stack.start(f"decode{i}", ["decode", *model_flag, "--mode", dec_mode]) for i in range(decodes)]
+    dec = [stack.start(f"decode{i}", ["decode", *model_flag, "--mode", dec_mode, *(sealed if mode == "epd" else ())]) for i in range(decodes)]
     # The gateway starts beside the engines, once they have bound their ports (it serves when
     # the stages it watches do).
     stack.wait_listening(stage + pre + dec)

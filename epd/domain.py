@@ -250,6 +250,7 @@ class KvHandoff:
     tp_size: int
     extra_params: dict[str, Any] = field(default_factory=dict)
     expires_at_unix_ms: int = 0  # when the prefill frees the blocks unless a decode extends the lease; 0: unknown
+    seal: bytes = b""  # the prefill's HMAC of the fields above (services.engine_stage.HandoffSeal); empty: unsealed
 
 
 @dataclass(frozen=True)

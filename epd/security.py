@@ -12,6 +12,7 @@ certificates from the same CA, and must not open the stages behind it.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import hmac
 import logging
 import pathlib
@@ -102,6 +103,19 @@ async def require_peer(context: grpc.aio.ServicerContext, allowed: frozenset[str
         await context.abort(
             grpc.StatusCode.PERMISSION_DENIED, f"this service takes calls only from the peers it is configured for (--allowed-peers); the caller's certificate names {shown}"
         )
+
+
+def read_secret(path: str, what: str) -> bytes:
+    """A key shared through a file: the SHA-256 of its text (surrounding whitespace ignored, so a
+    trailing newline is fine), whatever its length.
+
+    Raises:
+        ValueError: the file cannot be read or holds only whitespace.
+    """
+    text = _read(path, what).strip()
+    if not text:
+        raise ValueError(f"the {what} {path!r} is empty")
+    return hashlib.sha256(text).digest()
 
 
 def read_token(path: str) -> str:

@@ -524,6 +524,7 @@ def kv_handoff_to_wire(kv: KvHandoff) -> engine_pb2.KvHandoff:
         remote_num_tokens=kv.remote_num_tokens,
         tp_size=kv.tp_size,
         expires_at_unix_ms=kv.expires_at_unix_ms,
+        seal=kv.seal,
     )
     if kv.extra_params:
         msg.extra_params.update(kv.extra_params)
@@ -532,6 +533,7 @@ def kv_handoff_to_wire(kv: KvHandoff) -> engine_pb2.KvHandoff:
 
 _MAX_BLOCK_ID = 2**31  # vLLM's NixlConnector holds block ids as int32
 _MAX_PARALLEL_SIZE = 1024  # of a tensor-, pipeline- or context-parallel group
+_SEAL_BYTES = 32
 
 
 def _parallel_size(value) -> bool:
@@ -562,6 +564,8 @@ def kv_handoff_from_wire(msg: engine_pb2.KvHandoff) -> KvHandoff:
         violations.append(FieldViolation("kv_handoff.remote_port", "must be a TCP port (1-65535)"))
     if not msg.remote_request_id:
         violations.append(FieldViolation("kv_handoff.remote_request_id", "is required"))
+    if len(msg.seal) > _SEAL_BYTES:
+        violations.append(FieldViolation("kv_handoff.seal", f"must be at most {_SEAL_BYTES} bytes (an HMAC-SHA256)"))
     if not 1 <= msg.tp_size <= _MAX_PARALLEL_SIZE:
         # vLLM maps this engine's ranks onto the prefill's by it: 0 divided by zero in its
         # handshake, failing the request as if the prefill were unreachable.
@@ -596,6 +600,7 @@ def kv_handoff_from_wire(msg: engine_pb2.KvHandoff) -> KvHandoff:
         tp_size=msg.tp_size,
         extra_params=extras,
         expires_at_unix_ms=msg.expires_at_unix_ms,
+        seal=msg.seal,
     )
 
 

@@ -31,7 +31,6 @@ import hashlib
 import itertools
 import logging
 import math
-import pathlib
 import random
 import secrets
 import socket
@@ -43,6 +42,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from epd import telemetry
 from epd.errors import Unavailable
+from epd.security import read_secret
 from epd.server import CLIENT_OPTIONS
 
 logger = logging.getLogger(__name__)
@@ -80,13 +80,7 @@ def read_routing_secret(path: str = "") -> bytes:
     """
     if not path:
         return secrets.token_bytes(32)
-    try:
-        text = pathlib.Path(path).read_bytes().strip()
-    except OSError as exc:
-        raise ValueError(f"cannot read the affinity key file {path}: {exc.strerror}") from None
-    if not text:
-        raise ValueError(f"the affinity key file {path} is empty")
-    return hashlib.sha256(text).digest()
+    return read_secret(path, "affinity key file")
 
 
 def _ring_hash(text: str, secret: bytes) -> int:

@@ -25,18 +25,25 @@ from __future__ import annotations
 import asyncio
 import collections
 import dataclasses
+import hashlib
+import hmac
+import logging
 import secrets
 import time
 from collections import defaultdict
 from collections.abc import AsyncIterator
 
+from epd import wire
 from epd.domain import EncodedItem, EngineRequest, InlineEmbedding, KvHandoff
 from epd.engine import Engine, EngineRole, EngineStep, RenderedPrompt, kv_params_for_decode, kv_params_for_prefill
 from epd.errors import Aborted, FailedPrecondition, FieldViolation, InvalidArgument, Unavailable
 from epd.media import MediaLimits
 from epd.mm_items import batch_fields, vllm_fields
 from epd.prompt import PromptRenderer
+from epd.security import read_secret
 from epd.transport import ExpectedItem, expected_to_params
+
+logger = logging.getLogger(__name__)
 
 # A decode engine keeps a prefill's KV lease alive with heartbeats, the first one an engine step
 # plus up to one heartbeat interval (a sixth of the lease) after it takes the request, and later
@@ -54,10 +61,11 @@ class PrefillResult:
 
 
 class EngineStage:
-    def __init__(self, engine: Engine, *, allow_inline: bool = False):
+    def __init__(self, engine: Engine, *, allow_inline: bool = False, handoff_seal: HandoffSeal | None = None):
         self.engine = engine
         self.role = engine.config.role
         self.allow_inline = allow_inline
+        self.handoff_seal = handoff_seal or HandoffSeal(None)
         self.renderer = PromptRenderer(engine.config.model, max_prompt_tokens=engine.config.max_model_len)
         self._decoder = None  # built on the first forwarded media only
         self._used_handoffs = UsedHandoffs()
@@ -75,7 +83,7 @@ class EngineStage:
             last = step
         if last is None or last.kv_handoff is None or not last.token_ids:
             raise Unavailable("prefill engine finished without a KV handoff")
-        return PrefillResult(last.token_ids[0], last.kv_handoff, token_ids, last.prompt_token_count, time.perf_counter() - started)
+        return PrefillResult(last.token_ids[0], self.handoff_seal.sealed(last.kv_handoff), token_ids, last.prompt_token_count, time.perf_counter() - started)
 
     @staticmethod
     def _prefill_request_id(request_id: str) -> str:
@@ -89,6 +97,7 @@ class EngineStage:
         combined mode, or decode mode given no handoff)."""
         self._check_role(request)
         if request.kv_handoff is not None:
+            self.handoff_seal.check(request.kv_handoff)
             await _check_resolvable(request.kv_handoff)
         prompt = await self._prompt(request, await self._token_ids(request))
         kv_params = None
@@ -107,6 +116,7 @@ class EngineStage:
         """Frees a prefill's KV for a handoff that no decode will read."""
         if self.role is not EngineRole.DECODE:
             raise FailedPrecondition(f"this {self.role.value} service holds no KV channel to a prefill (only decode mode releases KV)")
+        self.handoff_seal.check(handoff)
         await _check_resolvable(handoff)
         if self._used_handoffs.first_use(handoff):  # else decoded or released already
             await self.engine.release_kv(request_id, handoff)
@@ -189,6 +199,40 @@ class EngineStage:
         media = [item.forwarded_media for _, item in items]
         values = await asyncio.to_thread(self._decoder.decode_all, media, [f"items[{i}].forwarded_media" for i, _ in items])
         return {index: vllm_input(m.modality, value) for (index, _), m, value in zip(items, media, values, strict=True)}
+
+
+class HandoffSeal:
+    """The KV handoff's seal: an HMAC-SHA256 of its wire form under a key every prefill and decode
+    shares (``--handoff-key-file``). A prefill seals each handoff it hands out; a decode takes one
+    (to decode or release it) only if its seal verifies. vLLM's KV agents trust any handoff:
+    unsealed, a caller could name other block ids and read whatever KV they hold, or name another
+    request's and free it. Without a key (None) nothing is sealed or checked, and the service
+    says so at start."""
+
+    def __init__(self, key: bytes | None) -> None:
+        self._key = key
+
+    @classmethod
+    def from_file(cls, path: str) -> HandoffSeal:
+        """The seal under the key in ``path`` (``epd.security.read_secret``); none for ``""``,
+        said loudly: every prefill and decode of a deployment must share one key."""
+        if not path:
+            logger.warning("KV handoffs are NOT sealed (no --handoff-key-file): a caller that reaches a decode can forge one, read KV it names, or free another request's")
+            return cls(None)
+        return cls(read_secret(path, "handoff key file"))
+
+    def sealed(self, handoff: KvHandoff) -> KvHandoff:
+        return dataclasses.replace(handoff, seal=self._mac(handoff)) if self._key is not None else handoff
+
+    def check(self, handoff: KvHandoff) -> None:
+        """Raises InvalidArgument unless the handoff is one a prefill sealed, unaltered."""
+        if self._key is not None and not hmac.compare_digest(self._mac(handoff), handoff.seal):
+            problem = "is missing: the prefill has no --handoff-key-file" if not handoff.seal else "does not verify: the handoff was altered, forged, or sealed under another key"
+            raise InvalidArgument.for_field("kv_handoff.seal", problem)
+
+    def _mac(self, handoff: KvHandoff) -> bytes:
+        unsealed = wire.kv_handoff_to_wire(dataclasses.replace(handoff, seal=b""))
+        return hmac.new(self._key, unsealed.SerializeToString(deterministic=True), hashlib.sha256).digest()
 
 
 class UsedHandoffs:

@@ -16,9 +16,11 @@ import sys
 
 import pytest
 
-from cli.launcher import ServiceProcess, Stack, gateway_args
+from cli.launcher import ServiceProcess, Stack, gateway_args, handoff_key_flags
 from devkit.checkpoints import ensure_tiny_checkpoint
+from epd.security import read_secret
 from epd.v1 import gateway_pb2_grpc
+from services.engine_stage import HandoffSeal
 from tests.helpers import SMALL_KV_CACHE, close_channels, gateway_stub
 from tests.otlp import OtlpReceiver
 
@@ -49,6 +51,13 @@ class FamilyStack:
     prefill: ServiceProcess
     decode: ServiceProcess
     gateways: dict[str, ServiceProcess]
+    sealed: list[str]  # the flags every prefill and decode beside this stack takes (handoff_key_flags)
+
+    @property
+    def handoff_seal(self) -> HandoffSeal:
+        """The seal this stack's prefills put on their handoffs, for tests that forge one as a
+        prefill holding the key could."""
+        return HandoffSeal(read_secret(self.sealed[-1], "handoff key file"))
 
     @property
     def combined(self) -> ServiceProcess:
@@ -79,10 +88,11 @@ DISAGGREGATED_MODES = ["epd", "epd-combined"]
 def _start_services(family: str, model: str, stack: Stack, otlp_endpoint: str, dtype: list[str]) -> FamilyStack:
     observability = ["--metrics-port", "0", "--otlp-endpoint", otlp_endpoint]
     engine = [*dtype, *SMALL_KV_CACHE, *observability]
+    sealed = handoff_key_flags(stack.log_dir)
     encoder = stack.start("encoder", ["encoder", "--model", model, *dtype, *MEDIA_LIMITS, *observability])
-    prefill = stack.start("prefill", ["prefill", "--model", model, *engine])
+    prefill = stack.start("prefill", ["prefill", "--model", model, *engine, *sealed])
     # Decode also serves E+PD, and accepts inline embeddings there (test_data_path covers both transports).
-    decode = stack.start("decode", ["decode", "--model", model, "--mode", "decode", "--allow-inline-embeddings", *engine])
+    decode = stack.start("decode", ["decode", "--model", model, "--mode", "decode", "--allow-inline-embeddings", *engine, *sealed])
     # Gateways start beside the engines, once those have bound their ports: a gateway serves
     # when the stages it watches do.
     stack.wait_listening([encoder, prefill, decode])
@@ -99,7 +109,7 @@ def _start_services(family: str, model: str, stack: Stack, otlp_endpoint: str, d
     stack.wait_ready([encoder, prefill, decode, *gateways.values()], timeout=600)
     for gateway in gateways.values():
         gateway.wait_serving()
-    return FamilyStack(family, model, stack, encoder, prefill, decode, gateways)
+    return FamilyStack(family, model, stack, encoder, prefill, decode, gateways, sealed)
 
 
 class StackManager:

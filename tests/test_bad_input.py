@@ -157,7 +157,13 @@ async def test_user_text_cannot_inject_chat_control_tokens(family_stack):
     assert result.finished.usage.prompt_tokens == len(ids)
 
 
-def _forged_decode(**changes) -> decode_pb2.DecodeRequest:
+def _sealed(handoff: engine_pb2.KvHandoff, seal) -> engine_pb2.KvHandoff:
+    """``handoff`` sealed as a prefill holding the stack's key would (a forgery the seal cannot
+    stop, for the checks behind it)."""
+    return wire.kv_handoff_to_wire(seal.sealed(wire.kv_handoff_from_wire(handoff)))
+
+
+def _forged_decode(seal=None, **changes) -> decode_pb2.DecodeRequest:
     handoff = engine_pb2.KvHandoff(
         remote_engine_id="forged",
         remote_block_groups=[engine_pb2.KvBlockGroup(block_ids=[0])],
@@ -173,6 +179,8 @@ def _forged_decode(**changes) -> decode_pb2.DecodeRequest:
             handoff.remote_block_groups[0].block_ids[:] = value
         else:
             setattr(handoff, name, value)
+    if seal is not None:
+        handoff = _sealed(handoff, seal)
     return decode_pb2.DecodeRequest(
         request_id="forged-kv",
         prompt=engine_pb2.EnginePrompt(token_ids=[1, 2, 3]),
@@ -213,7 +221,7 @@ async def test_a_kv_handoff_whose_lease_runs_out_is_aborted_before_the_engine_re
         stub = decode_pb2_grpc.DecodeServiceStub(channel)
         for left_ms in (-60_000, 1_000):
             with pytest.raises(grpc.aio.AioRpcError) as info:
-                async for _ in stub.Decode(_forged_decode(expires_at_unix_ms=int(time.time() * 1000) + left_ms), timeout=30):
+                async for _ in stub.Decode(_forged_decode(family_stack.handoff_seal, expires_at_unix_ms=int(time.time() * 1000) + left_ms), timeout=30):
                     pass
             assert info.value.code() == grpc.StatusCode.ABORTED, info.value.details()
             assert "kv_handoff" in info.value.details() and "run it again" in info.value.details()
@@ -243,15 +251,27 @@ _FORGED_HANDOFFS = {
     "a_billion_remote_tokens": (lambda h: setattr(h, "remote_num_tokens", 10**9), "kv_handoff.remote_num_tokens"),
     "a_push_transfer_mode": (lambda h: h.extra_params.update({"transfer_mode": "push"}), "kv_handoff.extra_params.transfer_mode"),
     "a_junk_extra_parameter": (lambda h: h.extra_params.update({"do_remote_decode": True}), "kv_handoff.extra_params.do_remote_decode"),
+    # Sealed again, another request's id makes a handoff only the seal can tell from a real one.
+    "another_requests_id": (lambda h: setattr(h, "remote_request_id", h.remote_request_id + "0"), "kv_handoff.seal"),
 }
 
 
-@pytest.mark.parametrize("forgery", list(_FORGED_HANDOFFS))
-async def test_a_real_prefills_handoff_altered_fails_only_its_own_request(family_stack, forgery):
+@pytest.mark.parametrize(
+    ("forgery", "resealed"),
+    [
+        *((forgery, resealed) for forgery in _FORGED_HANDOFFS for resealed in (False, True) if forgery != "another_requests_id"),
+        ("another_requests_id", False),
+    ],
+)
+async def test_a_real_prefills_handoff_altered_fails_only_its_own_request(family_stack, forgery, resealed):
     """Forgeries of a genuine handoff, sent straight to the decode as a peer inside the trust
-    boundary could: each is INVALID_ARGUMENT naming the field, the decode's engine stays alive,
-    and the next request through the gateway gets the monolithic tokens."""
+    boundary could: altered, its seal no longer verifies (kv_handoff.seal); altered and sealed
+    again, as a prefill holding the key could, each is refused by the checks behind the seal,
+    naming the field. Either way the decode's engine stays alive, and the next request through
+    the gateway gets the monolithic tokens."""
     alter, field = _FORGED_HANDOFFS[forgery]
+    if not resealed:
+        field = "kv_handoff.seal"
     # Hundreds of tokens: a prompt over several KV blocks, so that one fewer still leaves some;
     # an image of its own, so that the decode's prefix cache holds none of them.
     image = synthetic_image_png(96, 80, seed=7000 + list(_FORGED_HANDOFFS).index(forgery))
@@ -263,6 +283,8 @@ async def test_a_real_prefills_handoff_altered_fails_only_its_own_request(family
     handoff = engine_pb2.KvHandoff()
     handoff.CopyFrom(response.kv_handoff)
     alter(handoff)
+    if resealed:
+        handoff = _sealed(handoff, family_stack.handoff_seal)
     forged = decode_pb2.DecodeRequest(
         request_id=f"forged-{forgery}", prompt=engine_pb2.EnginePrompt(token_ids=response.prompt_token_ids), items=items, sampling=prefill.sampling, kv_handoff=handoff
     )
@@ -278,11 +300,12 @@ async def test_a_real_prefills_handoff_altered_fails_only_its_own_request(family
     assert (await generate(family_stack.gateway_stub("epd"), chat_request(parts, max_tokens=4), timeout=120)).token_ids == oracle.token_ids
 
 
-async def test_a_release_needs_the_handoffs_secret_request_id(family_stack):
-    """``ReleaseKv`` frees the KV of the prefill request its handoff names; that name is the
-    grant's secret (the prefill draws 96 random bits into it). Releases that name the victim's
-    prefill engine and blocks but not that id, guessed from the victim's request id, free
-    nothing: the prefill still holds the victim's KV, which its decode then reads."""
+async def test_a_release_needs_a_sealed_handoff_and_its_secret_request_id(family_stack):
+    """``ReleaseKv`` frees the KV of the prefill request its handoff names. A release naming the
+    victim's prefill engine and blocks under a request id guessed from the victim's is refused
+    (its seal does not verify); even sealed, as a prefill holding the key could, it frees
+    nothing, since the prefill draws 96 random bits into every id. The prefill still holds the
+    victim's KV, which its decode then reads."""
     usage = "vllm:kv_cache_usage_perc"
     port = family_stack.prefill.metrics_port
     assert await wait_for_metric(port, usage, 0.0, timeout=30) == 0.0
@@ -299,7 +322,11 @@ async def test_a_release_needs_the_handoffs_secret_request_id(family_stack):
             forged = engine_pb2.KvHandoff()
             forged.CopyFrom(response.kv_handoff)
             forged.remote_request_id = guess
-            await stub.ReleaseKv(decode_pb2.ReleaseKvRequest(request_id="attacker", kv_handoff=forged), timeout=10)
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await stub.ReleaseKv(decode_pb2.ReleaseKvRequest(request_id="attacker", kv_handoff=forged), timeout=10)
+            assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and violations(refused.value) == ["kv_handoff.seal"]
+            resealed = _sealed(forged, family_stack.handoff_seal)
+            await stub.ReleaseKv(decode_pb2.ReleaseKvRequest(request_id="attacker", kv_handoff=resealed), timeout=10)
         # A genuine release frees the blocks within a second (test_failover); the lease is 10 s.
         await asyncio.sleep(3.0)
         assert scrape(port)[usage] > 0.0
@@ -500,7 +527,7 @@ async def test_a_decode_that_cannot_load_the_kv_says_why(family_stack):
     handoff = {"remote_port": 1, "remote_request_id": f"unreachable-{uuid.uuid4().hex[:8]}", "expires_at_unix_ms": int(time.time() * 1000) + 60_000}
     async with grpc.aio.insecure_channel(family_stack.decode.address) as channel:
         with pytest.raises(grpc.aio.AioRpcError) as info:
-            async for _ in decode_pb2_grpc.DecodeServiceStub(channel).Decode(_forged_decode(**handoff), timeout=60):
+            async for _ in decode_pb2_grpc.DecodeServiceStub(channel).Decode(_forged_decode(family_stack.handoff_seal, **handoff), timeout=60):
                 pass
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.details()
     details = info.value.details()

@@ -106,7 +106,7 @@ def test_the_gateway_finds_each_stage_by_its_service_and_secrets_hold_the_creden
     # The replicas share the key that routes items to encoders.
     assert "--affinity-key-file=/etc/epd/affinity/key" in args
     secrets = {v["secret"]["secretName"] for spec in [gateway, *(s["spec"]["template"]["spec"] for s in stages.values())] for v in spec["volumes"] if "secret" in v}
-    assert secrets == {"epd-tls", "epd-gateway-token", "epd-gateway-affinity-key"}
+    assert secrets == {"epd-tls", "epd-gateway-token", "epd-gateway-affinity-key", "epd-handoff-key"}
     for stage in stages.values():
         stage_args = stage["spec"]["template"]["spec"]["containers"][0]["args"]
         assert "--require-client-cert" in stage_args and "--host=$(POD_IP)" in stage_args

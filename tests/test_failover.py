@@ -74,8 +74,8 @@ def spares(stacks):
     stack, model = family.stack, family.model
     started = {
         "encoder": stack.start("encoder-spare", ["encoder", "--model", model, "--metrics-port", "0"]),
-        "prefill": stack.start("prefill-spare", ["prefill", "--model", model, *SMALL_KV_CACHE]),
-        "decode": stack.start("decode-doomed", ["decode", "--model", model, "--mode", "decode", "--metrics-port", "0", *SMALL_KV_CACHE]),
+        "prefill": stack.start("prefill-spare", ["prefill", "--model", model, *SMALL_KV_CACHE, *family.sealed]),
+        "decode": stack.start("decode-doomed", ["decode", "--model", model, "--mode", "decode", "--metrics-port", "0", *SMALL_KV_CACHE, *family.sealed]),
     }
     try:
         stack.wait_ready(list(started.values()), timeout=600)
@@ -149,7 +149,7 @@ async def test_killing_an_encoder_and_a_prefill_under_load_fails_no_request(fami
         spare_encoder.process.wait(30)
         spare_prefill.process.wait(30)
         reborn = stack.start("encoder-reborn", ["encoder", "--model", model, "--port", str(spare_encoder.port), "--metrics-port", "0"])
-        reborn_prefill = stack.start("prefill-reborn", ["prefill", "--model", model, "--port", str(spare_prefill.port), *SMALL_KV_CACHE])
+        reborn_prefill = stack.start("prefill-reborn", ["prefill", "--model", model, "--port", str(spare_prefill.port), *SMALL_KV_CACHE, *family_stack.sealed])
         extra += [reborn, reborn_prefill]
         stack.wait_ready([reborn, reborn_prefill], timeout=600)
         assert await _wait_readiness(lonely.address, health_pb2.HealthCheckResponse.SERVING) == health_pb2.HealthCheckResponse.SERVING
@@ -192,7 +192,9 @@ async def test_a_killed_decode_leaves_the_rotation_and_a_reborn_one_rejoins(fami
         # A new decode process at the dead one's address is taken back and decodes correctly:
         # it handshakes with the prefill afresh (the prefill's KV agent never saw this process).
         doomed.process.wait(30)
-        reborn = stack.start("decode-reborn", ["decode", "--model", model, "--mode", "decode", "--port", str(doomed.port), "--metrics-port", "0", *SMALL_KV_CACHE])
+        reborn = stack.start(
+            "decode-reborn", ["decode", "--model", model, "--mode", "decode", "--port", str(doomed.port), "--metrics-port", "0", *SMALL_KV_CACHE, *family_stack.sealed]
+        )
         stack.wait_ready([reborn], timeout=600)
         assert await wait_for_metric(gateway.metrics_port, f"epd_stage_instance_up{{address={doomed.address},stage=decode}}", 1.0, timeout=30) == 1.0
         for i in range(len(_IMAGES)):  # ties rotate between the two decodes: the reborn one gets some

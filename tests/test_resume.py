@@ -41,7 +41,9 @@ def _request():
 async def test_a_stream_survives_its_decodes_death_with_the_oracles_tokens(family_stack, family, mode):
     stack, model, survivor = family_stack.stack, family_stack.model, family_stack.decode
     dtype = family.partition("@")[2] or "float32"
-    doomed = stack.start(f"decode-doomed-{mode}", ["decode", "--model", model, "--mode", "decode", "--dtype", dtype, "--metrics-port", "0", *SMALL_KV_CACHE])
+    doomed = stack.start(
+        f"decode-doomed-{mode}", ["decode", "--model", model, "--mode", "decode", "--dtype", dtype, "--metrics-port", "0", *SMALL_KV_CACHE, *family_stack.sealed]
+    )
     gateway = None
     try:
         stack.wait_listening([doomed])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 
 import grpc
@@ -14,6 +15,7 @@ from epd.domain import (
     GridThw,
     InlineEmbedding,
     ItemMetadata,
+    KvHandoff,
     MediaFile,
     MediaInput,
     Modality,
@@ -284,3 +286,33 @@ def test_cancelled_at_the_deadline_is_deadline_exceeded_and_otherwise_unavailabl
     assert isinstance(from_rpc_error(cancelled, peer="decode", deadline=time.monotonic() + 0.1), DeadlineExceeded)
     assert type(from_rpc_error(cancelled, peer="decode", deadline=time.monotonic() + 30)) is Unavailable
     assert type(from_rpc_error(cancelled, peer="decode")) is Unavailable
+
+
+def test_a_sealed_handoff_verifies_across_the_wire_and_nothing_altered_does():
+    """The seal covers the handoff's wire form: it must survive the trip (extra parameters
+    become a Struct of doubles and come back as ints), and any field changed breaks it."""
+    from services.engine_stage import HandoffSeal
+
+    handoff = KvHandoff(
+        remote_engine_id="prefill-1",
+        remote_block_groups=((3, 4, 5),),
+        remote_host="10.0.0.8",
+        remote_port=5600,
+        remote_request_id="r-prefill-0a1b",
+        remote_num_tokens=300,
+        tp_size=1,
+        extra_params={"dcp_size": 1, "pp_size": 1, "transfer_mode": "pull", "remote_prefill_cached_tokens": 0, "remote_blocks_expiry_time": None},
+        expires_at_unix_ms=1_800_000_000_000,
+    )
+    seal = HandoffSeal(b"k" * 32)
+    sealed = seal.sealed(handoff)
+    arrived = wire.kv_handoff_from_wire(engine_pb2.KvHandoff.FromString(wire.kv_handoff_to_wire(sealed).SerializeToString()))
+    seal.check(arrived)
+    for change in ({"remote_block_groups": ((3, 4, 6),)}, {"remote_request_id": "r-prefill-0a1c"}, {"expires_at_unix_ms": 1_800_000_001_000}, {"seal": b""}):
+        with pytest.raises(InvalidArgument) as refused:
+            seal.check(dataclasses.replace(arrived, **change))
+        assert [v.field for v in refused.value.violations] == ["kv_handoff.seal"]
+    with pytest.raises(InvalidArgument):
+        HandoffSeal(b"another key").check(arrived)
+    HandoffSeal(None).check(handoff)  # no key: nothing is checked
+    assert HandoffSeal(None).sealed(handoff) == handoff
