@@ -139,7 +139,6 @@ async def _kill_and_restart(stack: Stack, services: dict[str, ServiceProcess], l
     victim.kill()
     eject_s, _ = await asyncio.gather(wait_gauge(gateway, stage, victim.address, 0.0, 30), wait_port_closed(victim.address, 30))
     await asyncio.to_thread(victim.process.wait, 30)
-    stack.services.remove(victim)
     restarted = stack.restart(victim)
     await asyncio.to_thread(stack.wait_ready, [restarted], 900)
     services[name] = restarted
