@@ -27,9 +27,10 @@ from tests.helpers import SMALL_KV_CACHE, gateway_stub, stream_landing_on
 
 OMNI = stack_key("qwen2_5_omni", BF16)
 _IMAGE = synthetic_image_png(112, 96, seed=31)
-# Long enough that the kill lands mid-stream (a few ms a token on the doomed decode), short
-# enough that the survivor and the two oracle runs finish in seconds.
-_TOKENS = 600
+# Long enough that the kill lands mid-stream (a few ms a token on the doomed decode: at 600, an
+# E+PD stream once finished before the kill did), short enough that the survivor and the two
+# oracle runs take seconds.
+_TOKENS = 2000
 
 
 def _request():
@@ -68,6 +69,7 @@ async def test_a_stream_survives_its_decodes_death_with_the_oracles_tokens(famil
                 deltas.append(response.delta)
         assert finished is not None, "the stream ended without its finished message"
         tokens = [t for d in deltas for t in d.token_ids]
+        assert len(finished.resumed_after_tokens) == 1, f"resumed at {list(finished.resumed_after_tokens)}: the stream ended before the kill landed, or resumed twice"
         (resumed_after,) = finished.resumed_after_tokens
         print(f"\n{family} {mode}: resumed after {resumed_after} of {len(tokens)} tokens, {time.monotonic() - killed:.1f} s after the kill; "
               f"whole stream equal to the uninterrupted run: {tokens == uninterrupted.token_ids}")
