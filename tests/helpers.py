@@ -138,20 +138,3 @@ async def assert_matches_monolithic(family_stack, parts: list, mode: str, *, max
     assert result.finished.usage.multimodal_tokens == oracle.finished.usage.multimodal_tokens > 0
     return result
 
-
-async def stream_landing_on(stub: gateway_pb2_grpc.GatewayServiceStub, request, target, others, tries: int = 4):
-    """Opens Generate streams until one is decoding on the ``target`` decode service (the others
-    idle), and returns it with its first response read. The gateway prefers instances whose
-    health it has heard from, and ties rotate, so within a few tries one lands there; each try
-    starts with every decode idle, so the open stream is the one in flight."""
-    in_flight = "epd_requests_in_flight{service=decode}"
-    for _ in range(tries):
-        stream = stub.Generate(request, timeout=300)
-        first = await stream.read()
-        assert first.HasField("delta") and first.delta.token_ids
-        if scrape(target.metrics_port).get(in_flight) == 1.0 and all(scrape(o.metrics_port).get(in_flight, 0.0) == 0.0 for o in others):
-            return stream, first
-        stream.cancel()
-        for decode in (target, *others):
-            assert await wait_for_metric(decode.metrics_port, in_flight, 0.0, timeout=30, absent=0.0) == 0.0, f"{decode.name} still serves a cancelled stream"
-    raise AssertionError(f"no stream reached {target.name} in {tries} tries")

@@ -22,8 +22,9 @@ from cli.launcher import gateway_args
 from devkit.media import synthetic_image_png
 from epd.client import chat_request, generate
 from epd.telemetry import scrape
+from epd.v1 import gateway_pb2_grpc
 from tests.conftest import BF16, DEFAULT_FAMILY, DISAGGREGATED_MODES, stack_key
-from tests.helpers import SMALL_KV_CACHE, gateway_stub, stream_landing_on
+from tests.helpers import SMALL_KV_CACHE, gateway_stub, wait_for_metric
 
 OMNI = stack_key("qwen2_5_omni", BF16)
 _IMAGE = synthetic_image_png(112, 96, seed=31)
@@ -35,6 +36,24 @@ _TOKENS = 2000
 
 def _request():
     return chat_request([(_IMAGE, "image/png"), "Tell a long story about this picture."], max_tokens=_TOKENS, min_tokens=_TOKENS)
+
+
+async def _stream_landing_on(stub: gateway_pb2_grpc.GatewayServiceStub, request, target, others, tries: int = 4):
+    """Opens Generate streams until one is decoding on the ``target`` decode service (the others
+    idle), and returns it with its first response read. The gateway prefers instances whose
+    health it has heard from, and ties rotate, so within a few tries one lands there; each try
+    starts with every decode idle, so the open stream is the one in flight."""
+    in_flight = "epd_requests_in_flight{service=decode}"
+    for _ in range(tries):
+        stream = stub.Generate(request, timeout=300)
+        first = await stream.read()
+        assert first.HasField("delta") and first.delta.token_ids
+        if scrape(target.metrics_port).get(in_flight) == 1.0 and all(scrape(o.metrics_port).get(in_flight, 0.0) == 0.0 for o in others):
+            return stream, first
+        stream.cancel()
+        for decode in (target, *others):
+            assert await wait_for_metric(decode.metrics_port, in_flight, 0.0, timeout=30, absent=0.0) == 0.0, f"{decode.name} still serves a cancelled stream"
+    raise AssertionError(f"no stream reached {target.name} in {tries} tries")
 
 
 @pytest.mark.parametrize("family", [DEFAULT_FAMILY, OMNI])
@@ -58,7 +77,7 @@ async def test_a_stream_survives_its_decodes_death_with_the_oracles_tokens(famil
         uninterrupted = await generate(monolithic, _request(), timeout=300)
         assert len(uninterrupted.token_ids) == _TOKENS
 
-        stream, first = await stream_landing_on(gateway_stub(gateway.address), _request(), doomed, [survivor])
+        stream, first = await _stream_landing_on(gateway_stub(gateway.address), _request(), doomed, [survivor])
         doomed.kill()
         killed = time.monotonic()
         deltas, finished = [first.delta], None
