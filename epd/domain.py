@@ -268,6 +268,7 @@ class EngineRequest:
     # The reply so far, appended after the rendered prompt (a resumed request); ``sampling`` is
     # then the budget left after them (:meth:`Sampling.after`).
     continuation: tuple[int, ...] = ()
+    cache_salt: str = ""  # the request's (GenerateRequest.cache_salt): keys its prompt's KV in vLLM's prefix cache
 
 
 class Role(enum.Enum):
@@ -304,6 +305,7 @@ class GenerateRequest:
     messages: tuple[ChatMessage, ...]
     sampling: Sampling
     continuation: tuple[int, ...] = ()  # the reply's first tokens, from a run that broke off
+    cache_salt: str = ""  # vLLM's prefix cache shares KV only among requests with the same salt
 
     def __post_init__(self) -> None:
         # Hashed where the request is built (in a worker thread, for a large one), never later on

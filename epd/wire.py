@@ -173,11 +173,25 @@ def generate_request_from_wire(msg: gateway_pb2.GenerateRequest) -> GenerateRequ
         violations.append(
             FieldViolation("continuation_token_ids", f"holds {len(msg.continuation_token_ids)} tokens, leaving nothing of max_tokens {msg.sampling.max_tokens} to generate")
         )
+    if problem := cache_salt_problem(msg.cache_salt):
+        violations.append(FieldViolation("cache_salt", problem))
     if violations:
         raise InvalidArgument("invalid GenerateRequest: " + "; ".join(f"{v.field} {v.description}" for v in violations), violations)
     return GenerateRequest(
-        request_id=msg.request_id or uuid.uuid4().hex, messages=tuple(messages), sampling=sampling, continuation=tuple(msg.continuation_token_ids)
+        request_id=msg.request_id or uuid.uuid4().hex,
+        messages=tuple(messages),
+        sampling=sampling,
+        continuation=tuple(msg.continuation_token_ids),
+        cache_salt=msg.cache_salt,
     )
+
+
+MAX_CACHE_SALT_CHARS = 256  # vLLM hashes the salt into the prompt's first block; a bound keeps that cheap
+
+
+def cache_salt_problem(salt: str) -> str | None:
+    """What is wrong with a cache salt, if anything (the OpenAI front checks its own by this)."""
+    return f"holds {len(salt)} characters; at most {MAX_CACHE_SALT_CHARS}" if len(salt) > MAX_CACHE_SALT_CHARS else None
 
 
 def media_paths(request: GenerateRequest) -> list[str]:
@@ -615,6 +629,8 @@ def _engine_request_from_wire(msg) -> EngineRequest:
         raise InvalidArgument.for_field("request_id", "is required")
     kv = kv_handoff_from_wire(msg.kv_handoff) if getattr(msg, "kv_handoff", None) and msg.HasField("kv_handoff") else None
     items = tuple(encoded_items_from_wire(msg.items))
+    if problem := cache_salt_problem(msg.prompt.cache_salt):
+        raise InvalidArgument.for_field("prompt.cache_salt", problem)
     return EngineRequest(
         request_id=msg.request_id,
         items=items,
@@ -623,6 +639,7 @@ def _engine_request_from_wire(msg) -> EngineRequest:
         chat=_engine_chat_from_wire(msg.prompt, items),
         kv_handoff=kv,
         continuation=tuple(msg.prompt.continuation_token_ids),
+        cache_salt=msg.prompt.cache_salt,
     )
 
 
@@ -657,9 +674,11 @@ def _engine_chat_from_wire(prompt: engine_pb2.EnginePrompt, items: tuple[Encoded
     return tuple(messages)
 
 
-def engine_prompt_to_wire(token_ids: Sequence[int] = (), chat: Sequence[ChatMessage] = (), continuation: Sequence[int] = ()) -> engine_pb2.EnginePrompt:
+def engine_prompt_to_wire(
+    token_ids: Sequence[int] = (), chat: Sequence[ChatMessage] = (), continuation: Sequence[int] = (), cache_salt: str = ""
+) -> engine_pb2.EnginePrompt:
     """An engine prompt: token ids, or a chat whose media parts are item markers; then the
-    reply's tokens so far, if any."""
+    reply's tokens so far, if any, and the prefix cache's salt."""
     messages = [
         engine_pb2.EngineChatMessage(
             role=_ROLE_TO_WIRE[message.role],
@@ -670,7 +689,7 @@ def engine_prompt_to_wire(token_ids: Sequence[int] = (), chat: Sequence[ChatMess
         )
         for message in chat
     ]
-    return engine_pb2.EnginePrompt(token_ids=list(token_ids), chat=messages, continuation_token_ids=list(continuation))
+    return engine_pb2.EnginePrompt(token_ids=list(token_ids), chat=messages, continuation_token_ids=list(continuation), cache_salt=cache_salt)
 
 
 def prefill_request_from_wire(msg: prefill_pb2.PrefillRequest) -> EngineRequest:
@@ -684,7 +703,7 @@ def decode_request_from_wire(msg: decode_pb2.DecodeRequest) -> EngineRequest:
 def prefill_request_to_wire(request: EngineRequest) -> prefill_pb2.PrefillRequest:
     return prefill_pb2.PrefillRequest(
         request_id=request.request_id,
-        prompt=engine_prompt_to_wire(request.prompt_token_ids, request.chat, request.continuation),
+        prompt=engine_prompt_to_wire(request.prompt_token_ids, request.chat, request.continuation, request.cache_salt),
         items=[encoded_item_to_wire(i) for i in request.items],
         sampling=sampling_to_wire(request.sampling),
     )
@@ -694,7 +713,7 @@ def decode_request_to_wire(request: EngineRequest) -> decode_pb2.DecodeRequest:
     """Decode with a KV handoff gets metadata only; combined decode also gets the handles."""
     msg = decode_pb2.DecodeRequest(
         request_id=request.request_id,
-        prompt=engine_prompt_to_wire(request.prompt_token_ids, request.chat, request.continuation),
+        prompt=engine_prompt_to_wire(request.prompt_token_ids, request.chat, request.continuation, request.cache_salt),
         items=[encoded_item_to_wire(i, with_embedding=request.kv_handoff is None) for i in request.items],
         sampling=sampling_to_wire(request.sampling),
     )

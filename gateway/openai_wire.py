@@ -75,6 +75,7 @@ class ChatCompletionRequest:
     sampling: Sampling
     stream: bool
     return_token_ids: bool  # vLLM's extension: token ids in each choice and chunk
+    cache_salt: str = ""  # vLLM's extension: the prefix cache's salt (epd.v1 GenerateRequest.cache_salt)
 
     @property
     def remote_media(self) -> list[MediaRef]:
@@ -105,9 +106,14 @@ def chat_completion_from_json(body: object, *, default_max_tokens: int) -> ChatC
         if name in body and body[name] not in neutral:
             violations.append(FieldViolation(name, "is not supported by this server"))
     stream, return_token_ids = (_flag(body, name, violations) for name in ("stream", "return_token_ids"))
+    cache_salt = body.get("cache_salt")
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        violations.append(FieldViolation("cache_salt", "must be a non-empty string"))  # as vLLM's server says
+    elif cache_salt is not None and (problem := wire.cache_salt_problem(cache_salt)):
+        violations.append(FieldViolation("cache_salt", problem))
     if violations:
         raise InvalidArgument("invalid chat completion request: " + "; ".join(f"{v.field} {v.description}" for v in violations), violations)
-    return ChatCompletionRequest(model, messages, sampling, stream, return_token_ids)
+    return ChatCompletionRequest(model, messages, sampling, stream, return_token_ids, cache_salt or "")
 
 
 async def generate_request(chat: ChatCompletionRequest, request_id: str, fetch: FetchAll | None) -> GenerateRequest:
@@ -158,7 +164,7 @@ def _build(chat: ChatCompletionRequest, request_id: str, fetched: dict[str, Medi
         messages.append(ChatMessage(role, tuple(built)))
     if violations:
         raise InvalidArgument("invalid media: " + "; ".join(f"{v.field} {v.description}" for v in violations), violations)
-    return GenerateRequest(request_id=request_id, messages=tuple(messages), sampling=chat.sampling)
+    return GenerateRequest(request_id=request_id, messages=tuple(messages), sampling=chat.sampling, cache_salt=chat.cache_salt)
 
 
 def _messages(value: object, violations: list[FieldViolation]) -> tuple:

@@ -240,7 +240,12 @@ class DisaggregatedPipeline:
                 # then misses the metadata-only ones), so one item that needs its media sends all.
                 items = [dataclasses.replace(item, forwarded_media=media) for item, media in zip(items, request.media, strict=True)]
             engine_request = EngineRequest(
-                request.request_id, tuple(items), request.sampling.after(len(request.continuation)), chat=request.engine_chat(), continuation=request.continuation
+                request.request_id,
+                tuple(items),
+                request.sampling.after(len(request.continuation)),
+                chat=request.engine_chat(),
+                continuation=request.continuation,
+                cache_salt=request.cache_salt,
             )
             if self.prefills is not None and not self._prefill_on_decode(request.request_id):
                 started = time.perf_counter()
@@ -305,6 +310,8 @@ class MonolithicPipeline:
         check_media(request, self.limits)
         check_chat_size(request.messages, self.max_prompt_bytes)
         prompt: dict = {"prompt_token_ids": await self.renderer.render_on_loop(request.messages) + list(request.continuation)}
+        if request.cache_salt:
+            prompt["cache_salt"] = request.cache_salt
         media = request.media
         if media:
             check_modalities(media, wire.media_paths(request), self.engine.modalities)

@@ -131,14 +131,15 @@ def prefix_affinity_key(request: EngineRequest) -> str:
     item, and that item (vLLM's prefix cache then holds the KV of both, and its encoder cache the
     item), or, with no item, the chat's first characters. The turns of one chat share it, as do
     requests with one system prompt and image; bounded load keeps a hot key from overloading one
-    prefill."""
+    prefill. A salted request's KV is reusable only under its salt, which leads the key."""
+    salt = f"{request.cache_salt}\x00" if request.cache_salt else ""
     prefix: list[str] = []
     for message in request.chat:
         for part in message.parts:
             if isinstance(part, ItemMarker):
-                return f"{request.items[0].metadata.content_hash}:{''.join(prefix)}"
+                return f"{salt}{request.items[0].metadata.content_hash}:{''.join(prefix)}"
             prefix.append(f"{message.role.value}:{part.text}\x00")
-    return "".join(prefix)[:_TEXT_PREFIX_CHARS]
+    return salt + "".join(prefix)[:_TEXT_PREFIX_CHARS]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -182,6 +182,8 @@ class EngineStage:
                 raise InvalidArgument.for_field("items", f"{modality} items must all come as metadata or all with their media")
             multi_modal_data[modality] = batch_fields(values) if isinstance(values[0], dict) else values
         prompt = {"prompt_token_ids": list(token_ids)}
+        if request.cache_salt:
+            prompt["cache_salt"] = request.cache_salt
         if multi_modal_data:
             prompt.update(multi_modal_data=multi_modal_data, multi_modal_uuids=dict(uuids))
         source = "prompt.token_ids" if request.prompt_token_ids else "prompt.chat"

@@ -276,6 +276,7 @@ async def test_a_chat_becomes_the_request_a_grpc_client_sends():
         "stop": "END",
         "min_tokens": 2,
         "top_k": 5,
+        "cache_salt": "tenant-7",
         "stream_options": {"include_usage": True},
         "user": "ignored",
     }
@@ -296,6 +297,7 @@ async def test_a_chat_becomes_the_request_a_grpc_client_sends():
                 message(gateway_pb2.ROLE_USER, "More."),
             ],
             sampling=sampling,
+            cache_salt="tenant-7",
         )
     )
     assert via_http == via_grpc  # same parts, content hashes and float32 sampling values
@@ -323,6 +325,9 @@ _TEXT = [{"role": "user", "content": "Hi"}]
         ({"max_completion_tokens": -1}, "max_completion_tokens"),
         ({"min_tokens": 99, "max_tokens": 9}, "min_tokens"),
         ({"stream": "yes"}, "stream"),
+        ({"cache_salt": ""}, "cache_salt"),
+        ({"cache_salt": 7}, "cache_salt"),
+        ({"cache_salt": "s" * 257}, "cache_salt"),
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0].role"),
         ({"messages": [{"role": "user", "content": "  "}]}, "messages"),

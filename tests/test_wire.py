@@ -12,6 +12,7 @@ from google.rpc import error_details_pb2
 from epd import wire
 from epd.domain import (
     EngineField,
+    EngineRequest,
     GridThw,
     InlineEmbedding,
     ItemMetadata,
@@ -53,6 +54,25 @@ def test_empty_prompt_and_zero_max_tokens_are_reported_together():
     with pytest.raises(InvalidArgument) as info:
         wire.generate_request_from_wire(_request([gateway_pb2.ContentPart(text="  ")], max_tokens=0))
     assert _fields(info.value) == ["messages", "sampling.max_tokens"]
+
+
+def test_a_cache_salt_reaches_the_engines_and_is_bounded():
+    request = _request([gateway_pb2.ContentPart(text="hi")])
+    request.cache_salt = "tenant-7"
+    salted = wire.generate_request_from_wire(request)
+    assert salted.cache_salt == "tenant-7"
+    engine_request = EngineRequest("r", (), salted.sampling, chat=salted.engine_chat(), cache_salt=salted.cache_salt)
+    assert wire.prefill_request_from_wire(wire.prefill_request_to_wire(engine_request)).cache_salt == "tenant-7"
+    assert wire.decode_request_from_wire(wire.decode_request_to_wire(engine_request)).cache_salt == "tenant-7"
+
+    request.cache_salt = "s" * (wire.MAX_CACHE_SALT_CHARS + 1)
+    with pytest.raises(InvalidArgument) as info:
+        wire.generate_request_from_wire(request)
+    assert _fields(info.value) == ["cache_salt"]
+    forged = wire.prefill_request_to_wire(dataclasses.replace(engine_request, cache_salt=request.cache_salt))
+    with pytest.raises(InvalidArgument) as info:
+        wire.prefill_request_from_wire(forged)
+    assert _fields(info.value) == ["prompt.cache_salt"]
 
 
 def test_media_without_bytes_or_mime_names_the_part():
