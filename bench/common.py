@@ -51,6 +51,7 @@ EXPERIMENTS: dict[str, Experiment] = {
         Experiment("encoder_cache", "bench.encoder_cache"),
         Experiment("faults", "bench.faults"),
         Experiment("soak", "bench.soak", ("num_requests",)),
+        Experiment("encoder_memory", "bench.encoder_memory"),
         Experiment("chaos", "bench.chaos", ("duration_s",)),
     )
 }

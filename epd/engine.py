@@ -147,9 +147,9 @@ class Engine:
 
     def start(self) -> None:
         """Loads the model (seconds to minutes). Call before serving."""
-        from epd.compat.vllm_metadata import install
+        from epd.compat import install_vllm_fixes
 
-        install()
+        install_vllm_fixes()
         _configure_vllm_environment(self.config)
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM

@@ -123,3 +123,27 @@ async def test_an_encode_given_up_on_leaves_no_lease_behind(small_encoder):
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await stub.Encode(request, timeout=60)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and violations(info.value) == ["release_key"], info.value.details()
+
+
+def test_the_towers_per_grid_caches_are_bounded_by_bytes_not_grids():
+    """epd.compat.vllm_tower_caches: Qwen2.5-VL's and Qwen3-VL's towers build their per-grid
+    caches from the name LRUCache in their modules; after the fix it holds at most the budget's
+    bytes of tensors (1024 grids of any size before), and a grid larger than the budget is
+    computed each time instead of raising."""
+    import torch
+    from vllm.model_executor.models import qwen2_5_vl, qwen3_vl
+
+    from epd.compat import install_vllm_fixes
+    from epd.compat.vllm_tower_caches import BUDGET_BYTES
+
+    install_vllm_fixes()
+    mib = 2**20 // 4  # float32 elements
+    for module in (qwen2_5_vl, qwen3_vl):
+        cache = module.LRUCache(capacity=1024)  # as the towers call it
+        for grid in range(100):
+            cache[(1, grid, grid)] = (torch.zeros(mib), torch.zeros(mib), torch.zeros(16, dtype=torch.int64))
+        assert cache.currsize <= BUDGET_BYTES
+        assert len(cache) == BUDGET_BYTES // (2 * 2**20 + 128)
+        assert (1, 99, 99) in cache and (1, 0, 0) not in cache  # least recently used first out
+        cache[(1, 500, 500)] = torch.zeros(BUDGET_BYTES // 4 + 1)
+        assert (1, 500, 500) not in cache and (1, 99, 99) in cache

@@ -1,4 +1,4 @@
-"""The one model-specific piece of EPD: vLLM 0.32 forgets ``second_per_grid_ts`` for the video
+"""A model-specific fix: vLLM 0.32 forgets ``second_per_grid_ts`` for the video
 of Qwen2.5-VL and Qwen2.5-Omni when the video arrives metadata-only.
 
 Their M-RoPE spaces a video's temporal positions by ``second_per_grid_ts`` (seconds per temporal
@@ -11,8 +11,7 @@ metadata-only video with Qwen2-VL's parsing, which drops the field altogether.
 
 This module declares the field as metadata on both parsers, as vLLM does for Qwen3-VL's
 ``timestamps``, and keeps it in their metadata-only video items, so that an encoder publishes it
-and consumers require and keep it. Nothing else in EPD names a model. Remove it once vLLM
-declares the field itself.
+and consumers require and keep it. Remove it once vLLM declares the field itself.
 
 It must run in every process where vLLM parses multimodal inputs or publishes their metadata:
 our services call :func:`install` before they build an engine, and the EC connector module (which

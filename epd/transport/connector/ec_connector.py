@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from vllm.distributed.ec_transfer.ec_connector.base import ECConnectorBase, ECConnectorMetadata, ECConnectorRole
 
-from epd.compat.vllm_metadata import install as _install_vllm_metadata_fixes
+from epd.compat import install_vllm_fixes
 from epd.transport.connector.ec_config import ConnectorConfig
 from epd.transport.connector.ec_consumer import ConsumerScheduler, Install
 from epd.transport.connector.ec_producer import ProducerScheduler, Restore, Save
@@ -35,9 +35,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# This module is what vLLM imports in its engine processes; the producer's published fields and
-# the consumer's parsing need vLLM's metadata declarations fixed there too.
-_install_vllm_metadata_fixes()
+# This module is what vLLM imports in its engine processes; the producer's published fields, the
+# consumer's parsing and the tower's caches need vLLM's fixes there too.
+install_vllm_fixes()
 
 
 class _ShardSkipRecorder(logging.Handler):
