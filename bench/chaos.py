@@ -39,7 +39,7 @@ import grpc
 from bench.common import RESULTS_DIR, progress, summarize, write_result
 from bench.faults import start_two_of_each, wait_gauge, wait_port_closed
 from bench.formatting import fmt, machine
-from bench.soak import drained, tree_rss_mib
+from bench.soak import drained, tree_memory_mib
 from bench.workload import Sent, closed_loop
 from cli.launcher import ServiceProcess, Stack, start_monolithic
 from devkit.media import synthetic_image_png
@@ -72,7 +72,8 @@ def _requests(count: int = 8) -> list:
 
 
 class _Lives:
-    """Each instance's lives (a restart begins a new one): when it became ready, and its RSS."""
+    """Each instance's lives (a restart begins a new one): when it became ready, and its RSS and
+    private memory."""
 
     def __init__(self) -> None:
         self.lives: list[dict[str, Any]] = []
@@ -86,15 +87,26 @@ class _Lives:
         now = time.perf_counter()
         for life in self._current.values():
             if life["service"].process.poll() is None and now - life["ready_at"] >= WARM_UP_S:
-                life["rss_mib"].append((round(now - life["ready_at"], 1), round(tree_rss_mib(life["service"]), 1)))
+                life["rss_mib"].append((round(now - life["ready_at"], 1), *(round(m, 1) for m in tree_memory_mib(life["service"]))))
 
     def summary(self) -> list[dict[str, Any]]:
         rows = []
         for life in self.lives:
             samples = life["rss_mib"]
             if len(samples) >= 2:
-                (t0, first), (t1, last) = samples[0], samples[-1]
-                rows.append({"instance": life["instance"], "lived_s": t1, "first_mib": first, "last_mib": last, "max_mib": max(m for _, m in samples), "growth_mib_per_min": (last - first) / max(t1 - t0, 1e-9) * 60})
+                (t0, first, first_private), (t1, last, last_private) = samples[0], samples[-1]
+                minutes = max(t1 - t0, 1e-9) / 60
+                rows.append(
+                    {
+                        "instance": life["instance"],
+                        "lived_s": t1,
+                        "first_mib": first,
+                        "last_mib": last,
+                        "max_mib": max(m for _, m, _ in samples),
+                        "growth_mib_per_min": (last - first) / minutes,
+                        "private_growth_mib_per_min": (last_private - first_private) / minutes,
+                    }
+                )
         return rows
 
 
@@ -320,7 +332,16 @@ def report(doc: dict) -> list[str]:
     retries = ", ".join(f"{k} {v:g}" for k, v in doc["retries"].items()) or "none"
     end = ", ".join(f"{k} {v:g}" for k, v in doc["end_state"].items())
     lines += ["", f"Resumes: {counters}. Retries before the first token: {retries}. After the load drained: {end}.", ""]
-    lines += ["RSS of each instance's process tree over its life, from 20 s after it was ready (MiB):", "", "| instance | lived (s) | first | last | max | growth (MiB/min) |", "| --- | --- | --- | --- | --- | --- |"]
+    lines += [
+        "RSS of each instance's process tree over its life, from 20 s after it was ready (MiB; private: RSS less shared pages, "
+        "which leaves out the arena and receive buffers, shared memory touched page by page until used whole):",
+        "",
+        "| instance | lived (s) | first | last | max | growth (MiB/min) | private growth (MiB/min) |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
     for row in doc["rss"]:
-        lines.append(f"| {row['instance']} | {row['lived_s']:.0f} | {row['first_mib']:.0f} | {row['last_mib']:.0f} | {row['max_mib']:.0f} | {row['growth_mib_per_min']:+.1f} |")
+        lines.append(
+            f"| {row['instance']} | {row['lived_s']:.0f} | {row['first_mib']:.0f} | {row['last_mib']:.0f} | {row['max_mib']:.0f} | "
+            f"{row['growth_mib_per_min']:+.1f} | {row['private_growth_mib_per_min']:+.1f} |"
+        )
     return [*lines, ""]

@@ -43,16 +43,20 @@ _DRAIN_S = 30.0
 _END_STATE = {"encoder": "epd_arena_leases", "prefill": "vllm:kv_cache_usage_perc", "decode": "vllm:kv_cache_usage_perc"}
 
 
-def tree_rss_mib(service: ServiceProcess) -> float:
-    """The RSS of a service and its engine processes."""
+def tree_memory_mib(service: ServiceProcess) -> tuple[float, float]:
+    """(RSS, private) of a service and its engine processes. Private is RSS less shared pages:
+    the arena and receive buffers are shared memory, touched page by page until each has been
+    used whole, so their growth is bounded by their size and shows in RSS only."""
     root = psutil.Process(service.process.pid)
-    total = 0
+    rss = private = 0
     for process in [root, *root.children(recursive=True)]:
         try:
-            total += process.memory_info().rss
+            memory = process.memory_info()
         except psutil.NoSuchProcess:
             continue
-    return total / 2**20
+        rss += memory.rss
+        private += memory.rss - memory.shared
+    return rss / 2**20, private / 2**20
 
 
 async def drained(read: Callable[[], dict[str, float]], timeout_s: float) -> dict[str, float]:
@@ -96,14 +100,14 @@ def run(*, quick: bool = False, num_requests: int | None = None, results_dir: pa
             args = gateway_args(model, "epd", encoders=[services["encoder"].address], prefills=[services["prefill"].address], decodes=[services["decode"].address])
             services["gateway"] = stack.start("gateway", [*args, "--metrics-port", "0"])
             await asyncio.to_thread(stack.wait_ready, [services["gateway"]], 300)
-            rss: list[dict[str, Any]] = [{"requests": 0, **{name: tree_rss_mib(s) for name, s in services.items()}}]
+            rss: list[dict[str, Any]] = [{"requests": 0, **{name: tree_memory_mib(s)[0] for name, s in services.items()}}]
             log: list[Sent] = []
             started = time.perf_counter()
 
             async def sample() -> None:
                 while len(rss) <= total // sample_every:
                     if len(log) >= len(rss) * sample_every:
-                        rss.append({"requests": len(log), **{name: tree_rss_mib(s) for name, s in services.items()}})
+                        rss.append({"requests": len(log), **{name: tree_memory_mib(s)[0] for name, s in services.items()}})
                         progress(f"{NAME}: {len(log)} requests, {sum(not s.record.ok for s in log)} lost, RSS MiB " + ", ".join(f"{k} {v:.0f}" for k, v in rss[-1].items() if k != "requests"))
                     await asyncio.sleep(0.2)
 
