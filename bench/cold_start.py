@@ -18,7 +18,12 @@ Per start, from the service's own output (stdout lines are timestamped as they a
 - ``shards_read``: the encoder's ``EPD_ENCODER_LOAD`` line ("read k of n safetensors shards"),
   and for the full engine vLLM's "Loading safetensors checkpoint shards" count;
 - after a cold start, the checkpoint pages the start brought into the page cache
-  (``mincore(2)``): which shards and how many bytes were actually read from disk.
+  (``mincore(2)``): which shards and how many bytes were actually read from disk;
+- ``phases``: where the time to ready goes, from the first line each phase ends with
+  (``PHASES``): the service's imports and gRPC port, vLLM's import and config in the service,
+  the engine-core process's start (it is spawned, so it imports vLLM again), the engine
+  core's set-up until it loads the model, the model load, vLLM's profiling, KV cache and
+  warm-up, and the service's work after the engine (arena counters, health flip to SERVING).
 
 The page cache is set before every start: warm (every checkpoint file fully resident) and cold
 (every file written back and dropped with ``posix_fadvise(POSIX_FADV_DONTNEED)``, which needs no
@@ -70,6 +75,17 @@ _ENCODER_LOAD = re.compile(r"^EPD_ENCODER_LOAD read (\d+) of (\d+) safetensors s
 _WEIGHTS = re.compile(r"Loading weights took ([\d.]+) seconds")
 _LOAD_STARTS = "Starting to load model"
 _SHARD_PROGRESS = re.compile(r"Loading safetensors checkpoint shards:.*?\|\s*(\d+)/(\d+)")
+# Each phase of a start and the stdout line that ends it (the first that contains the text), in
+# order; a phase whose line a start lacks is merged into the next.
+PHASES: tuple[tuple[str, str], ...] = (
+    ("imports and gRPC port", "EPD_LISTENING "),
+    ("vLLM import and config", "Resolved architecture"),
+    ("engine core process start", "Initializing a V1 LLM engine"),
+    ("engine core set-up", _LOAD_STARTS),
+    ("model load", "Loading weights took"),
+    ("profiling, KV cache, warm-up", "init engine (profile, create kv cache, warmup model) took"),
+    ("service after the engine", "EPD_READY "),
+)
 
 
 def run(
@@ -179,6 +195,7 @@ def _summarize(cache: str, mode: str, runs: list[dict[str, Any]]) -> dict[str, A
         "seconds_to_listening": summarize(numbers("seconds_to_listening")),
         "weights_seconds": summarize(numbers("weights_seconds")),
         "load_model_seconds": summarize(numbers("load_model_seconds")),
+        "phases_seconds": {name: summarize(seconds)["median"] for name, _ in PHASES if (seconds := [r["phases"][name] for r in runs if name in r["phases"]])},
     }
     if cache == "cold":
         result["shards_read_from_disk"] = runs[0]["shards_read_from_disk"]
@@ -295,11 +312,24 @@ def parse_start(lines: Sequence[tuple[float, str]], stderr: str) -> dict[str, An
     return {
         "seconds_to_listening": first("EPD_LISTENING "),
         "seconds_to_ready": first("EPD_READY "),
+        "phases": _phases(lines),
         "weights_seconds": weights[1] if weights else None,
         "load_model_seconds": weights[0] - load_started if weights and load_started is not None else None,
         "shards_read": shards_read,
         "shards_total": shards_total,
     }
+
+
+def _phases(lines: Sequence[tuple[float, str]]) -> dict[str, float]:
+    """Seconds per phase of ``PHASES``: from the previous phase's end line to its own."""
+    phases: dict[str, float] = {}
+    previous = 0.0
+    for name, marker in PHASES:
+        at = next((at for at, line in lines if marker in line), None)
+        if at is not None:
+            phases[name] = at - previous
+            previous = at
+    return phases
 
 
 # --- page cache ---------------------------------------------------------------------------
@@ -415,6 +445,15 @@ def report(doc: dict) -> list[str]:
             f"| {fmt(r['seconds_to_ready']['p99'], 2)} | {fmt(r['seconds_to_listening']['median'], 2)} | {fmt(r['load_model_seconds']['median'], 3)} "
             f"| {fmt(r['weights_seconds']['median'], 2)} |"
         )
+    lines += [
+        "",
+        "Where the time to ready goes (median seconds per phase, each ending at the first stdout line that marks it; `bench.cold_start.PHASES`):",
+        "",
+        "| mode | page cache | " + " | ".join(name for name, _ in PHASES) + " |",
+        "| --- | --- | " + " | ".join("---" for _ in PHASES) + " |",
+    ]
+    for r in doc["results"]:
+        lines.append(f"| {r['mode']} | {r['page_cache']} | " + " | ".join(fmt(r["phases_seconds"].get(name), 2) for name, _ in PHASES) + " |")
     ratios = ", ".join(f"{k} ×{fmt(v, 2)}" for k, v in doc["ratios"].items() if v is not None)
     left_out = " Cold starts were left out: the checkpoint could not be evicted from the page cache." if cfg["cold_left_out"] else ""
     return [*lines, "", f"Ratios (full engine over encoder-only): {ratios}.{left_out}", ""]

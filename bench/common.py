@@ -24,30 +24,60 @@ class Experiment:
     """One experiment of the suite: its module (``bench.<module>``) has ``run(*, quick,
     results_dir, command, **options)``, which writes ``<name>.json``, and ``report(doc)``, its
     section of BENCHMARKS.md (and ``plot(doc, path)`` where it draws one). ``options`` names the
-    command-line options its run takes; ``fixed`` what it is always given."""
+    command-line options its run takes; ``fixed`` what it is always given. ``gpu_note``: what a
+    GPU host changes in its figures and what to measure there; ``bench/gpu_check.sh`` runs the
+    experiments that have one, and the report lists the notes."""
 
     name: str
     module_name: str
     options: tuple[str, ...] = ()
     fixed: tuple[tuple[str, Any], ...] = ()
+    gpu_note: str = ""
 
     def module(self):
         return importlib.import_module(self.module_name)
 
 
 _SERVING_OPTIONS = ("model", "rate", "num_requests", "repeats", "max_concurrency", "duration_s")
+_GPU_HANDOFF = (
+    "EPD's buffers are host memory on GPU hosts too (a consumer copies each item to its device once), so a READ between two "
+    "processes of one host stays UCX's CMA copy; what changes is the host (memory bandwidth, more cores). Measure: ec_consumer "
+    "at >= x0.85 of raw_read from 1 MiB up and <= 25 us over it up to 64 KiB (the consumer's own cost, which any host shows), "
+    "and the memcpy and inline-gRPC goals, which only a host with a DMA path (xpmem/knem, or NIXL on device memory, not "
+    "built) could meet."
+)
+_GPU_COLD_START = (
+    "A full GPU engine also profiles device memory, allocates its KV cache and captures CUDA graphs; the encoder-only engine "
+    "(eager, no KV cache) does none of that, so its lead should grow. Measure ready_full_over_encoder warm and cold: the goal "
+    "is x1.67 or more (encoder <= x0.6 of a full engine). The quick form starts the tiny checkpoint once; `python -m bench "
+    "--only cold_start` starts the 16-shard bench checkpoint three times."
+)
+_GPU_ENCODER_THROUGHPUT = (
+    "On a GPU the tower takes well under a millisecond an item, so the service's own per-item work (media decode, "
+    "processor, the hop to the engine core, the arena write, gRPC) is all that separates it from the in-process pipeline. "
+    "Measure the service's items/s over the pipeline's on the same GPU: the goal is x0.9."
+)
+_GPU_SERVING = (
+    "On CPU every stage shares two cores, so disaggregation's processes and hops cost throughput directly (goal: E/P/D >= "
+    "x0.7 of monolithic's saturation). With stages on GPUs of their own the hops overlap with device work: measure E/P/D "
+    "and E+PD saturation throughput over monolithic, and the gateway's share of E2EL, on one GPU shared by all stages "
+    "(the quick form) and, given more GPUs, one per stage."
+)
 SERVING_EXPERIMENTS = ("serving", "serving_video", "serving_audio", "serving_omni")
 # The registry, in the order the suite runs the experiments and the report shows them
 # (bench.__main__ runs them, bench.report renders them; both read them here, never each other).
 EXPERIMENTS: dict[str, Experiment] = {
     e.name: e
     for e in (
-        Experiment("handoff", "bench.handoff", ("iterations",)),
-        Experiment("cold_start", "bench.cold_start", ("repeats",)),
-        Experiment("encoder_throughput", "bench.encoder_throughput", ("repeats", "num_items")),
+        Experiment("handoff", "bench.handoff", ("iterations",), gpu_note=_GPU_HANDOFF),
+        Experiment("cold_start", "bench.cold_start", ("repeats",), gpu_note=_GPU_COLD_START),
+        Experiment("encoder_throughput", "bench.encoder_throughput", ("repeats", "num_items"), gpu_note=_GPU_ENCODER_THROUGHPUT),
         Experiment("gateway_overhead", "bench.gateway_overhead", ("num_requests",)),
         Experiment("h2_abuse", "bench.h2_abuse"),
-        *(Experiment(name, "bench.serving", _SERVING_OPTIONS, (("experiment", name),)) for name in SERVING_EXPERIMENTS),
+        *(
+            Experiment(name, "bench.serving", _SERVING_OPTIONS, (("experiment", name),), gpu_note=_GPU_SERVING if name == "serving" else "")
+            for name in SERVING_EXPERIMENTS
+        ),
         Experiment("encoder_cache", "bench.encoder_cache"),
         Experiment("faults", "bench.faults"),
         Experiment("soak", "bench.soak", ("num_requests",)),

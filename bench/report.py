@@ -69,5 +69,15 @@ def write_report(results_dir: pathlib.Path = RESULTS_DIR, out: pathlib.Path = RE
             lines += [f"## {name}", "", f"Stale: `{name}.json` has schema v{stale.get('schema_version')}, not v{SCHEMA_VERSION}; rerun `python -m bench --only {name}`.", ""]
         else:
             lines += [f"## {name}", "", f"Not run: no `{name}.json` in {_shown(results_dir)}; run `python -m bench --only {name}`.", ""]
+    lines += [
+        "## What a GPU host changes",
+        "",
+        "Not measured yet: no GPU host has run EPD. `bench/gpu_check.sh` runs each experiment below in its quick form on a GPU host "
+        "set up as README's \"GPU hosts\" says (minutes in all; `--dry-run` checks the script anywhere), into "
+        "`bench/results-gpu` and a BENCHMARKS.md of its own.",
+        "",
+        *(f"- **{name}**: {experiment.gpu_note}" for name, experiment in EXPERIMENTS.items() if experiment.gpu_note),
+        "",
+    ]
     out.write_text("\n".join(lines))
     return out

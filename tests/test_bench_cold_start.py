@@ -66,6 +66,7 @@ def test_quick_cold_run_writes_the_schema(tmp_path: pathlib.Path) -> None:
             "seconds_to_listening",
             "weights_seconds",
             "load_model_seconds",
+            "phases_seconds",
             "shards_read_from_disk",
             "bytes_read_from_disk",
         }
@@ -73,6 +74,9 @@ def test_quick_cold_run_writes_the_schema(tmp_path: pathlib.Path) -> None:
             assert set(result[key]) == SUMMARY and result[key]["count"] == 1 and is_number(result[key]["median"]), key
         assert 0 < result["seconds_to_listening"]["median"] < result["seconds_to_ready"]["median"]
         assert result["shards_total"] == checkpoint["shards"]
+        # Every phase's end line is printed by a start; the phases add up to the time to ready.
+        assert list(result["phases_seconds"]) == [name for name, _ in cold_start.PHASES]
+        assert sum(result["phases_seconds"].values()) == pytest.approx(result["seconds_to_ready"]["median"])
 
     encoder, full = results["encoder_only"], results["full_engine"]
     # The encoder-only engine reads the tower's shard alone, by its own account and by the disk's.
@@ -86,6 +90,7 @@ def test_quick_cold_run_writes_the_schema(tmp_path: pathlib.Path) -> None:
 
     report = write_report(tmp_path, out=tmp_path / "BENCHMARKS.md").read_text()
     assert "## Encoder cold start" in report and "Command: `pytest`" in report and "| encoder_only | cold | 1 of 3 | 1," in report
+    assert "| mode | page cache | imports and gRPC port |" in report
 
 
 def test_a_start_is_read_from_the_services_own_lines() -> None:
@@ -104,6 +109,8 @@ def test_a_start_is_read_from_the_services_own_lines() -> None:
         "load_model_seconds": pytest.approx(0.25),
         "shards_read": 1,
         "shards_total": 16,
+        # Phases whose line is missing are merged into the next one.
+        "phases": {"imports and gRPC port": 0.4, "engine core set-up": pytest.approx(19.6), "model load": pytest.approx(0.25), "service after the engine": pytest.approx(3.15)},
     }
     # A full engine prints no EPD_ENCODER_LOAD line: vLLM's shard progress counts instead.
     full = cold_start.parse_start(lines[:3] + lines[4:], "Loading safetensors checkpoint shards: 100% Completed | 16/16 [00:01<00:00]\n")

@@ -5,7 +5,10 @@ are tests/test_layout.py's, bench's included)."""
 from __future__ import annotations
 
 import inspect
+import os
 import pathlib
+import subprocess
+import sys
 
 from bench import common, report, serving
 
@@ -33,3 +36,17 @@ def test_each_experiment_records_the_command_that_reruns_it_alone(monkeypatch) -
     monkeypatch.setattr("sys.argv", ["bench", "--only=cold_start", "--repeats", "2"])
     assert common.command_line(only="cold_start").endswith("-m bench --only cold_start --repeats 2")
     assert common.command_line().endswith("-m bench --only=cold_start --repeats 2")
+
+
+def test_the_gpu_check_dry_run_names_every_experiment_with_a_gpu_note(tmp_path: pathlib.Path) -> None:
+    """bench/gpu_check.sh runs on CPU with --dry-run: it checks what it can, prints each
+    experiment's note and the command a GPU host would run, and starts nothing."""
+    script = pathlib.Path(__file__).resolve().parents[1] / "bench" / "gpu_check.sh"
+    done = subprocess.run([str(script), "--dry-run"], env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    noted = [name for name, experiment in common.EXPERIMENTS.items() if experiment.gpu_note]
+    assert {"handoff", "cold_start", "encoder_throughput", "serving"} <= set(noted)
+    assert f"-m bench --quick --only {','.join(noted)} --results-dir bench/results-gpu" in done.stdout
+    assert "dry run: nothing started" in done.stdout
+    text = report.write_report(tmp_path, out=tmp_path / "BENCHMARKS.md").read_text()
+    assert "## What a GPU host changes" in text and all(f"- **{name}**: " in text for name in noted)
