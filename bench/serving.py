@@ -13,7 +13,10 @@
 - **Gateway overhead:** client-observed E2EL minus the gateway's timed stage calls; and of it,
   what the gateway counts inside itself (its Finished timings: total minus the stage calls), the
   rest being the client's hop to it (sending it the media) and the client's own reading.
-- **Resources:** peak RSS per service (process tree).
+- **Resources:** peak RSS per service (process tree), and where each request's CPU goes: user +
+  system CPU of every process an arm's requests run through (its gateway, each service, each
+  engine core), per request of its saturation runs (:func:`cpu_seconds`; NIXL's and UCX's
+  progress threads are unnamed, so they count in the process that runs them).
 - **End state:** what must be back to zero once the load is gone: the encoder's arena leases
   (``epd_arena_leases``), every engine's KV cache usage and requests, and the embedding loads that
   failed during the run (``epd_embedding_load_failures``); alongside, during the run, the
@@ -51,6 +54,19 @@ from epd.telemetry import scrape
 
 ARMS = ("monolithic", "epd-combined", "epd", "epd-forward-media", "epd-go-relay")
 LOADS = ("poisson", "saturation")
+# The services each arm's requests run through, whose CPU its requests cost.
+ARM_SERVICES = {
+    "monolithic": ("gateway-monolithic",),
+    "epd-combined": ("gateway-epd-combined", "encoder", "combined"),
+    "epd": ("gateway-epd", "encoder", "prefill", "decode"),
+    "epd-forward-media": ("gateway-epd-forward-media", "encoder", "prefill", "decode"),
+    "epd-go-relay": ("gateway-epd-go-relay", "encoder", "prefill", "decode"),
+}
+# Issue 32's goal: all of E/P/D's processes together spend at most this much CPU per request
+# over the monolithic engine's.
+CPU_GOAL_OVER_MONOLITHIC = 1.4
+# And its saturation throughput at least this fraction of monolithic's, on this host.
+THROUGHPUT_GOAL_OVER_MONOLITHIC = 0.7
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,6 +115,33 @@ def peak_rss_mib(service: ServiceProcess | GoRelay) -> float:
     return total / 1024
 
 
+def cpu_seconds(service: ServiceProcess | GoRelay) -> dict[str, float]:
+    """User + system CPU seconds each process of a service has spent so far: ``service`` (its
+    own process) and ``engine core`` (vLLM's, a child)."""
+    import psutil
+
+    root = psutil.Process(service.process.pid)
+    spent: dict[str, float] = {}
+    for process in [root, *root.children(recursive=True)]:
+        try:
+            times, name = process.cpu_times(), process.name()
+        except psutil.NoSuchProcess:
+            continue
+        role = "service" if process.pid == root.pid else "engine core" if name.startswith("VLLM") else "helper"
+        spent[role] = spent.get(role, 0.0) + times.user + times.system
+    return spent
+
+
+def _cpu_ms_per_request(services: dict, before: dict[str, dict[str, float]], requests: int) -> dict[str, float]:
+    """CPU milliseconds per request since ``before`` (:func:`cpu_seconds` per service), by
+    ``"<service> <role>"``."""
+    spent = {}
+    for name, service in services.items():
+        for role, seconds in cpu_seconds(service).items():
+            spent[f"{name} {role}"] = (seconds - before[name].get(role, 0.0)) * 1000 / requests
+    return spent
+
+
 def _median_of(runs: list[dict], *path: str) -> float:
     values = []
     for run in runs:
@@ -109,11 +152,15 @@ def _median_of(runs: list[dict], *path: str) -> float:
     return statistics.median(values)
 
 
-def measure(gateways: dict[str, str], requests: list, *, rate: float, repeats: int, max_concurrency: int | None = None) -> dict[str, dict[str, list[dict]]]:
+def measure(
+    gateways: dict[str, str], requests: list, *, rate: float, repeats: int, max_concurrency: int | None = None, services: dict | None = None
+) -> dict[str, dict[str, list[dict]]]:
     """Runs the request set through every arm's gateway: a Poisson run and a saturation run per
     repeat, arms in rotating order. ``gateways`` maps each of :data:`ARMS` to an address. Every
     pass sends its own :func:`~bench.workload.salted` copy (same media, new content hashes), so
-    no engine's encoder cache serves one pass from another's items."""
+    no engine's encoder cache serves one pass from another's items. With ``services`` (by name,
+    as :data:`ARM_SERVICES` names them), each saturation run also records the CPU its requests
+    cost each process (``cpu_ms_per_request``)."""
     for arm in ARMS:  # warm-up: first contact, lazy imports, NIXL metadata exchange
         asyncio.run(run_load(gateways[arm], salted(requests[:1], f"warm-up {arm}"), float("inf"), seed=0))
     runs: dict[str, dict[str, list[dict]]] = {arm: {"poisson": [], "saturation": []} for arm in ARMS}
@@ -123,7 +170,11 @@ def measure(gateways: dict[str, str], requests: list, *, rate: float, repeats: i
             for arm in order:
                 progress(f"serving: repeat {repeat + 1}/{repeats} {load} {arm}")
                 batch = salted(requests, f"{repeat} {load} {arm}")
+                used = {name: services[name] for name in ARM_SERVICES[arm]} if services and load == "saturation" else {}
+                cpu_before = {name: cpu_seconds(service) for name, service in used.items()}
                 result = asyncio.run(run_load(gateways[arm], batch, load_rate, seed=repeat, max_concurrency=max_concurrency))
+                if used:
+                    result["cpu_ms_per_request"] = _cpu_ms_per_request(used, cpu_before, len(batch))
                 if result["failed"]:
                     raise RuntimeError(f"{arm} {load}: {result['failed']} requests failed: {result['errors']}")
                 runs[arm][load].append(result)
@@ -232,6 +283,10 @@ def build_payload(runs: dict[str, dict[str, list[dict]]], config: ServingConfig,
         }
         for arm in ARMS
     }
+    for arm in ARMS:
+        measured = [r["cpu_ms_per_request"] for r in runs[arm]["saturation"] if "cpu_ms_per_request" in r]
+        if measured:
+            summary[arm]["saturation"]["cpu_ms_per_request"] = {process: statistics.median(m[process] for m in measured) for process in measured[0]}
 
     def ratio(a: str, b: str, load: str, key: str) -> float:
         return summary[a][load][key] / summary[b][load][key]
@@ -250,6 +305,9 @@ def build_payload(runs: dict[str, dict[str, list[dict]]], config: ServingConfig,
             for arm in ("epd-combined", "epd")
         },
     }
+    if "cpu_ms_per_request" in summary["monolithic"]["saturation"]:
+        monolithic_cpu = sum(summary["monolithic"]["saturation"]["cpu_ms_per_request"].values())
+        ratios["cpu_per_request_over_monolithic"] = {arm: sum(summary[arm]["saturation"]["cpu_ms_per_request"].values()) / monolithic_cpu for arm in ARMS}
     return {
         "experiment": "serving",
         "config": {
@@ -330,7 +388,7 @@ def run(
         services["gateway-epd-go-relay"] = running.enter_context(go_relay(*stages))
         gateways = {arm: services[f"gateway-{arm}"].address for arm in ARMS}
         before = counters(services, workload.modality)
-        runs = measure(gateways, requests, rate=config.rate, repeats=config.repeats, max_concurrency=config.max_concurrency)
+        runs = measure(gateways, requests, rate=config.rate, repeats=config.repeats, max_concurrency=config.max_concurrency, services=services)
         state = end_state(services, workload.modality, since=before)
         resources = {name: {"peak_rss_mib": round(peak_rss_mib(service), 1)} for name, service in services.items()}
     if not state["drained"]:
@@ -419,10 +477,29 @@ def report(doc: dict) -> list[str]:
             "calls; the rest is the client's hop to it, which carries the media, and the client's reading), medians: " + ", ".join(inside) + ".",
             "",
         ]
+    if "cpu_per_request_over_monolithic" in ratios:
+        lines += [
+            "Where each request's CPU goes at saturation (ms of user + system CPU per request, medians over repeats; every process the arm's "
+            "requests run through, idle time included; NIXL and UCX progress threads count in their process):",
+            "",
+            "| arm | all processes | over monolithic | by process |",
+            "| --- | --- | --- | --- |",
+        ]
+        for arm, loads in summary.items():
+            cpu = loads["saturation"]["cpu_ms_per_request"]
+            by_process = ", ".join(f"{process} {fmt(ms, 1)}" for process, ms in sorted(cpu.items(), key=lambda item: -item[1]) if ms >= 0.05)
+            lines.append(f"| {arm} | {fmt(sum(cpu.values()), 1)} | ×{fmt(ratios['cpu_per_request_over_monolithic'][arm], 2)} | {by_process} |")
+        epd_cpu = ratios["cpu_per_request_over_monolithic"]["epd"]
+        lines += ["", f"Goal: E/P/D's CPU per request ≤ ×{CPU_GOAL_OVER_MONOLITHIC:g} of monolithic's: ×{fmt(epd_cpu, 2)}, {'met' if epd_cpu <= CPU_GOAL_OVER_MONOLITHIC else 'NOT met'}.", ""]
     lines += ["Topologies over monolithic:", ""]
     for arm, loads in ratios["topologies_over_monolithic"].items():
         parts = ", ".join(f"{load}: throughput ×{fmt(r['request_throughput'], 3)}, mean E2EL ×{fmt(r['e2el_mean'], 3)}" for load, r in loads.items())
         lines.append(f"- {arm}: {parts}")
+    saturation = ratios["topologies_over_monolithic"]["epd"]["saturation"]["request_throughput"]
+    lines.append(
+        f"- Goal: E/P/D's saturation throughput ≥ ×{THROUGHPUT_GOAL_OVER_MONOLITHIC:g} of monolithic's: ×{fmt(saturation, 3)}, "
+        f"{'met' if saturation >= THROUGHPUT_GOAL_OVER_MONOLITHIC else 'NOT met'}."
+    )
     end = doc["end_state"]
     encoder = end["encoder"]
     lines += [

@@ -13,7 +13,7 @@ import pytest
 from bench.common import write_result
 from bench.compiled import go_relay
 from bench.report import write_report
-from bench.serving import ARMS, EXPERIMENTS, LOADS, ServingConfig, build_payload, counters, end_state, measure, peak_rss_mib
+from bench.serving import ARM_SERVICES, ARMS, EXPERIMENTS, LOADS, ServingConfig, build_payload, counters, end_state, measure, peak_rss_mib
 from bench.workload import STAGES, WorkloadSpec, build_requests
 from cli.launcher import gateway_args
 from tests.conftest import BF16, stack_key
@@ -57,7 +57,9 @@ async def test_serving_smoke_run_has_the_report_schema(family_stack, family, tmp
         gateways["epd-forward-media"] = forward_gateway.address
         gateways["epd-go-relay"] = relay.address
         # measure() drives its own event loops; keep them off the test's loop.
-        runs = await asyncio.to_thread(measure, gateways, build_requests(workload), rate=config.rate, repeats=config.repeats)
+        accounted = {**services, "combined": s.combined, "gateway-epd-combined": s.gateways["epd-combined"], "gateway-epd": s.gateways["epd"]}
+        accounted |= {"gateway-epd-forward-media": forward_gateway, "gateway-epd-go-relay": relay}
+        runs = await asyncio.to_thread(measure, gateways, build_requests(workload), rate=config.rate, repeats=config.repeats, services=accounted)
     state = await asyncio.to_thread(end_state, services, workload.modality, before)
     payload = build_payload(runs, config, state, {name: {"peak_rss_mib": peak_rss_mib(p)} for name, p in services.items()})
     path = write_result(name, payload, command="pytest smoke", results_dir=tmp_path)
@@ -79,6 +81,13 @@ async def test_serving_smoke_run_has_the_report_schema(family_stack, family, tmp
             summary = doc["summary"][arm][load]
             assert 0 < summary["gateway_own_ms_median"] <= summary["gateway_overhead_ms_median"], (arm, load, summary)
     assert doc["ratios"]["metadata_only_over_media_forwarding"]["saturation"]["request_throughput"] > 0
+    # Each arm's saturation requests cost CPU in every process they run through, engine cores included.
+    for arm, names in ARM_SERVICES.items():
+        cpu = doc["summary"][arm]["saturation"]["cpu_ms_per_request"]
+        owners = {next(process.removesuffix(f" {role}") for role in ("service", "engine core", "helper") if process.endswith(f" {role}")) for process in cpu}
+        assert owners <= set(names), (arm, cpu)
+        assert cpu[f"{names[0]} service"] > 0 and sum(cpu.values()) > 0, (arm, cpu)
+    assert all(cpu_ratio > 0 for cpu_ratio in doc["ratios"]["cpu_per_request_over_monolithic"].values())
 
     end = doc["end_state"]
     assert end["drained"] and end["arena_leases"] == 0
