@@ -70,7 +70,8 @@ async def test_serving_smoke_run_has_the_report_schema(family_stack, family, tmp
     for arm in ARMS:
         for load in LOADS:
             summary = doc["summary"][arm][load]
-            assert summary.keys() == SUMMARY_KEYS and summary["stage_ms_median"].keys() == set(STAGES)
+            assert summary.keys() == SUMMARY_KEYS | ({"cpu_ms_per_request"} if load == "saturation" else set())
+            assert summary["stage_ms_median"].keys() == set(STAGES)
             assert summary["request_throughput"] > 0 and summary["e2el_ms_p99"] >= summary["e2el_ms_median"] > 0
             (only_run,) = doc["runs"][arm][load]
             assert only_run["completed"] == workload.num_requests and only_run["failed"] == 0
@@ -86,7 +87,8 @@ async def test_serving_smoke_run_has_the_report_schema(family_stack, family, tmp
         cpu = doc["summary"][arm]["saturation"]["cpu_ms_per_request"]
         owners = {next(process.removesuffix(f" {role}") for role in ("service", "engine core", "helper") if process.endswith(f" {role}")) for process in cpu}
         assert owners <= set(names), (arm, cpu)
-        assert cpu[f"{names[0]} service"] > 0 and sum(cpu.values()) > 0, (arm, cpu)
+        # CPU time comes in clock ticks (10 ms): a compiled relay's few requests may show none.
+        assert all(ms >= 0 for ms in cpu.values()) and sum(cpu.values()) > 0, (arm, cpu)
     assert all(cpu_ratio > 0 for cpu_ratio in doc["ratios"]["cpu_per_request_over_monolithic"].values())
 
     end = doc["end_state"]
