@@ -13,7 +13,7 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 RESULTS_DIR = pathlib.Path(__file__).resolve().parent / "results"
@@ -97,6 +97,21 @@ def percentile(values: Sequence[float], q: float) -> float:
     low = int(rank)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (rank - low)
+
+
+def service_processes(service) -> Iterator[tuple[str, Any]]:
+    """A service's process and every process under it, each as (role, ``psutil.Process``): the
+    ``service``'s own, vLLM's ``engine core``, or a ``helper`` (multiprocessing's). Processes that
+    end meanwhile are skipped; reading one may still raise ``psutil.NoSuchProcess``."""
+    import psutil
+
+    root = psutil.Process(service.process.pid)
+    for process in [root, *root.children(recursive=True)]:
+        try:
+            name = process.name()
+        except psutil.NoSuchProcess:
+            continue
+        yield ("service" if process.pid == root.pid else "engine core" if name.startswith("VLLM") else "helper"), process
 
 
 def summarize(values: Sequence[float]) -> dict[str, float]:

@@ -20,7 +20,7 @@ from typing import Any
 import grpc
 import psutil
 
-from bench.common import RESULTS_DIR, progress, write_result
+from bench.common import RESULTS_DIR, progress, service_processes, write_result
 from bench.formatting import machine
 from cli.launcher import ServiceProcess, Stack
 from devkit.media import synthetic_image_png
@@ -42,16 +42,14 @@ def _size(index: int) -> tuple[int, int]:
 
 
 def _processes(service: ServiceProcess) -> dict[str, dict[str, float]]:
-    """RSS and private MiB of the service, vLLM's engine core, and the rest of the service's
-    children together (multiprocessing's helpers), by role."""
-    root = psutil.Process(service.process.pid)
-    sampled = {role: {"rss": 0.0, "private": 0.0} for role in ("service", "engine core", "other")}
-    for process in [root, *root.children(recursive=True)]:
+    """RSS and private MiB of the service, vLLM's engine core, and multiprocessing's helpers, by
+    role (:func:`bench.common.service_processes`)."""
+    sampled = {role: {"rss": 0.0, "private": 0.0} for role in ("service", "engine core", "helper")}
+    for role, process in service_processes(service):
         try:
-            memory, name = process.memory_info(), process.name()
+            memory = process.memory_info()
         except psutil.NoSuchProcess:
             continue
-        role = "service" if process.pid == root.pid else "engine core" if name.startswith("VLLM") else "other"
         sampled[role]["rss"] += memory.rss / 2**20
         sampled[role]["private"] += (memory.rss - memory.shared) / 2**20
     return sampled

@@ -45,7 +45,7 @@ import pathlib
 import statistics
 import time
 
-from bench.common import RESULTS_DIR, command_line, progress, write_result
+from bench.common import RESULTS_DIR, command_line, progress, service_processes, write_result
 from bench.compiled import GoRelay, go_relay
 from bench.formatting import MIB, fmt, machine
 from bench.workload import STAGES, WorkloadSpec, build_requests, run_load, salted
@@ -117,17 +117,15 @@ def peak_rss_mib(service: ServiceProcess | GoRelay) -> float:
 
 def cpu_seconds(service: ServiceProcess | GoRelay) -> dict[str, float]:
     """User + system CPU seconds each process of a service has spent so far: ``service`` (its
-    own process) and ``engine core`` (vLLM's, a child)."""
+    own process), ``engine core`` (vLLM's) and ``helper`` (:func:`bench.common.service_processes`)."""
     import psutil
 
-    root = psutil.Process(service.process.pid)
     spent: dict[str, float] = {}
-    for process in [root, *root.children(recursive=True)]:
+    for role, process in service_processes(service):
         try:
-            times, name = process.cpu_times(), process.name()
+            times = process.cpu_times()
         except psutil.NoSuchProcess:
             continue
-        role = "service" if process.pid == root.pid else "engine core" if name.startswith("VLLM") else "helper"
         spent[role] = spent.get(role, 0.0) + times.user + times.system
     return spent
 

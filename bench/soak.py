@@ -23,7 +23,7 @@ from typing import Any
 import grpc
 import psutil
 
-from bench.common import RESULTS_DIR, progress, summarize, write_result
+from bench.common import RESULTS_DIR, progress, service_processes, summarize, write_result
 from bench.formatting import fmt, machine
 from bench.workload import Sent, closed_loop
 from cli.launcher import ServiceProcess, Stack, gateway_args
@@ -47,9 +47,8 @@ def tree_memory_mib(service: ServiceProcess) -> tuple[float, float]:
     """(RSS, private) of a service and its engine processes. Private is RSS less shared pages:
     the arena and receive buffers are shared memory, touched page by page until each has been
     used whole, so their growth is bounded by their size and shows in RSS only."""
-    root = psutil.Process(service.process.pid)
     rss = private = 0
-    for process in [root, *root.children(recursive=True)]:
+    for _, process in service_processes(service):
         try:
             memory = process.memory_info()
         except psutil.NoSuchProcess:
