@@ -3,9 +3,10 @@
 Qwen2.5-VL's tower keeps each image grid's (t, h, w) rotary tables and window index
 (``_rope_by_thw_cache``), and Qwen3-VL's its position ids (``_rot_pos_ids_cache``), in an LRU of
 1024 grids, whatever their size. A grid's tables grow with its patches and the tower's head
-size, so an encoder that sees many distinct image sizes grows by 0.16 MiB a grid with the tiny
-test tower (63-67 MiB over 400 sizes), and by gigabytes with a 7B model's tower before the
-count bound holds. Here the same LRU is bounded by the bytes of the tensors it holds,
+size: the tiny test tower's are too small to show (`bench --only encoder_memory`), but a 7B
+tower's are about 0.3 MiB for a 1024-patch image and megabytes for a video grid, so an encoder
+seeing many distinct sizes would hold gigabytes before the count bound held. Here the same LRU
+is bounded by the bytes of the tensors it holds,
 ``BUDGET_BYTES`` per tower, so an encoder's memory no longer depends on how many sizes it has
 seen; an evicted grid's tables are recomputed (milliseconds, beside the tower's own work).
 
@@ -21,8 +22,8 @@ import functools
 
 import torch
 
-# Per tower cache: 128 grids of a 7B tower's 1024-patch image (its cos and sin tables, about
-# 0.25 MiB each), or every grid the tiny test tower sees in the soak.
+# Per tower cache: about 100 grids of a 7B tower's 1024-patch image (its cos and sin tables,
+# about 0.3 MiB each), or every grid the tiny test tower sees in the soak.
 BUDGET_BYTES = 32 * 2**20
 
 
