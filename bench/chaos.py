@@ -83,6 +83,11 @@ class _Lives:
         self._current[name] = life = {"instance": name, "ready_at": time.perf_counter(), "service": service, "rss_mib": []}
         self.lives.append(life)
 
+    def end(self, name: str) -> None:
+        """The instance is about to be killed: no more samples of it (a dying process tree's RSS
+        falls, which would read as the life's end)."""
+        del self._current[name]
+
     def sample(self) -> None:
         now = time.perf_counter()
         for life in self._current.values():
@@ -148,6 +153,7 @@ async def _kill_and_restart(stack: Stack, services: dict[str, ServiceProcess], l
     stage, gateway = name[:-1], services["gateway"]
     victim = services[name]
     started = time.perf_counter()
+    lives.end(name)
     victim.kill()
     eject_s, _ = await asyncio.gather(wait_gauge(gateway, stage, victim.address, 0.0, 30), wait_port_closed(victim.address, 30))
     await asyncio.to_thread(victim.process.wait, 30)
