@@ -10,6 +10,10 @@ run's. Usage is that of one request. Whether the whole stream also equals the un
 run is printed: a resumed greedy reply prefills its tokens where the uninterrupted run decoded
 them one by one, so a near-tie may round the other way (the chaos benchmark counts how often).
 
+If the kill misses the stream (once in CI the gauges placed it on the doomed decode, yet the
+survivor served it whole), the stream must still equal the uninterrupted run, and the test lands
+a new stream on a new doomed decode, at most twice in all.
+
 Every run has a cache salt of its own, so that none reuses KV another computed: in bf16, KV
 decoded token by token differs in its last bits from KV prefilled at once, and the monolithic
 oracle, reusing the uninterrupted run's blocks, once turned a near-tie 127 tokens after the
@@ -38,6 +42,8 @@ _IMAGE = synthetic_image_png(112, 96, seed=31)
 # E+PD stream once finished before the kill did), short enough that the survivor and the two
 # oracle runs take seconds.
 _TOKENS = 2000
+# Doomed decodes a test may start to land its stream on one: the kill once missed (see below).
+_LANDINGS = 2
 
 
 def _request():
@@ -69,33 +75,43 @@ async def _stream_landing_on(stub: gateway_pb2_grpc.GatewayServiceStub, request,
 async def test_a_stream_survives_its_decodes_death_with_the_oracles_tokens(family_stack, family, mode):
     stack, model, survivor = family_stack.stack, family_stack.model, family_stack.decode
     dtype = family.partition("@")[2] or "float32"
-    doomed = stack.start(
-        f"decode-doomed-{mode}", ["decode", "--model", model, "--mode", "decode", "--dtype", dtype, "--metrics-port", "0", *SMALL_KV_CACHE, *family_stack.sealed]
-    )
-    gateway = None
+    monolithic = family_stack.gateway_stub("monolithic")
+    uninterrupted = await generate(monolithic, _request(), timeout=300)
+    assert len(uninterrupted.token_ids) == _TOKENS
+    started = []
     try:
-        stack.wait_listening([doomed])
-        stages = {"encoders": [family_stack.encoder.address], "decodes": [doomed.address, survivor.address]}
-        if mode == "epd":
-            stages["prefills"] = [family_stack.prefill.address]
-        gateway = stack.start(f"gateway-resume-{mode}", [*gateway_args(model, mode, **stages), "--metrics-port", "0"])
-        stack.wait_ready([doomed, gateway], timeout=600)
-        gateway.wait_serving()
-        monolithic = family_stack.gateway_stub("monolithic")
-        uninterrupted = await generate(monolithic, _request(), timeout=300)
-        assert len(uninterrupted.token_ids) == _TOKENS
+        for landing in range(_LANDINGS):
+            doomed = stack.start(
+                f"decode-doomed-{mode}-{landing}",
+                ["decode", "--model", model, "--mode", "decode", "--dtype", dtype, "--metrics-port", "0", *SMALL_KV_CACHE, *family_stack.sealed],
+            )
+            started.append(doomed)
+            stack.wait_listening([doomed])
+            stages = {"encoders": [family_stack.encoder.address], "decodes": [doomed.address, survivor.address]}
+            if mode == "epd":
+                stages["prefills"] = [family_stack.prefill.address]
+            gateway = stack.start(f"gateway-resume-{mode}-{landing}", [*gateway_args(model, mode, **stages), "--metrics-port", "0"])
+            started.append(gateway)
+            stack.wait_ready([doomed, gateway], timeout=600)
+            gateway.wait_serving()
 
-        stream, first = await _stream_landing_on(gateway_stub(gateway.address), _request(), doomed, [survivor])
-        doomed.kill()
-        killed = time.monotonic()
-        deltas, finished = [first.delta], None
-        while (response := await stream.read()) is not grpc.aio.EOF:
-            if response.HasField("finished"):
-                finished = response.finished
-            else:
-                deltas.append(response.delta)
-        assert finished is not None, "the stream ended without its finished message"
-        tokens = [t for d in deltas for t in d.token_ids]
+            stream, first = await _stream_landing_on(gateway_stub(gateway.address), _request(), doomed, [survivor])
+            doomed.kill()
+            killed = time.monotonic()
+            deltas, finished = [first.delta], None
+            while (response := await stream.read()) is not grpc.aio.EOF:
+                if response.HasField("finished"):
+                    finished = response.finished
+                else:
+                    deltas.append(response.delta)
+            assert finished is not None, "the stream ended without its finished message"
+            tokens = [t for d in deltas for t in d.token_ids]
+            if finished.resumed_after_tokens:
+                break
+            assert tokens == uninterrupted.token_ids  # a stream the kill missed is still the monolithic one
+            # Once in CI the gauges put the stream on the doomed decode, yet the survivor served it
+            # whole and the gateway saw no failure: the kill missed it. Land again on a new one.
+            print(f"\n{family} {mode}: the kill of {doomed.name} missed the stream (it finished with no resume); landing again")
         assert len(finished.resumed_after_tokens) == 1, f"resumed at {list(finished.resumed_after_tokens)}: the stream ended before the kill landed, or resumed twice"
         (resumed_after,) = finished.resumed_after_tokens
         print(f"\n{family} {mode}: resumed after {resumed_after} of {len(tokens)} tokens, {time.monotonic() - killed:.1f} s after the kill; "
@@ -122,7 +138,6 @@ async def test_a_stream_survives_its_decodes_death_with_the_oracles_tokens(famil
         assert finished.usage.multimodal_tokens == uninterrupted.finished.usage.multimodal_tokens
         assert scrape(gateway.metrics_port).get("epd_gateway_resumes_total{stage=decode}") == 1.0
     finally:
-        for service in (gateway, doomed):
-            if service is not None:
-                service.stop()
-                stack.services.remove(service)
+        for service in started:
+            service.stop()
+            stack.services.remove(service)
