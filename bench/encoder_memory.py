@@ -36,7 +36,8 @@ _CALL_TIMEOUT_S = 60
 
 
 def _size(index: int) -> tuple[int, int]:
-    """The index-th distinct (width, height); after 625 the aspect repeats at twice the area."""
+    """The index-th distinct (width, height): 25 x 25 sides from 56 px in steps of 28, then the
+    same grid moved up by 56 px a side for the next 625, and so on."""
     scale = 1 + index // (_SIDES * _SIDES)
     return 56 * scale + 28 * (index % _SIDES), 56 * scale + 28 * (index // _SIDES % _SIDES)
 
@@ -107,7 +108,7 @@ def report(doc: dict) -> list[str]:
         f"Command: `{doc['command']}`  ",
         f"Machine: {machine(doc)}  ",
         f"{doc['sizes']} Encode calls in a row to one encoder (`{pathlib.Path(doc['model']).name}`, caches on), each of one PNG of a size "
-        "no earlier call had (56-728 px a side: a new patch grid every time), its lease given back. MiB per process, RSS (private: "
+        "no earlier call had (56 px a side and up, in steps of 28: a new patch grid every time), its lease given back. MiB per process, RSS (private: "
         "RSS less shared pages; the embedding arena is shared memory, touched slot by slot until all have held an item).",
         "",
         "| sizes seen | " + " | ".join(f"{role} RSS | {role} private" for role in roles) + " |",
