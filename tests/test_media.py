@@ -116,3 +116,33 @@ def test_pixel_and_frame_limits_name_the_field():
         with pytest.raises(MediaError) as info:
             decoder.decode(item)
         assert info.value.field == field, str(info.value)
+
+
+def test_images_decode_to_the_pixels_vllm_serve_gives_them():
+    """The encoder's pixels are vLLM's for the same bytes: a transparent PNG on white (not the
+    colour under its alpha), an EXIF-rotated JPEG upright, an RGB image untouched."""
+    import io
+
+    from PIL import Image
+
+    from epd.media.image import decode_image
+
+    transparent = Image.new("RGBA", (4, 2), (10, 20, 30, 0))
+    transparent.putpixel((0, 0), (10, 20, 30, 255))
+    png = io.BytesIO()
+    transparent.save(png, format="PNG")
+    decoded = decode_image(png.getvalue(), max_pixels=100)
+    assert decoded.mode == "RGB"
+    assert decoded.getpixel((0, 0)) == (10, 20, 30)
+    assert decoded.getpixel((1, 0)) == (255, 255, 255)
+
+    landscape = Image.new("RGB", (6, 2), (200, 0, 0))
+    exif = landscape.getexif()
+    exif[0x0112] = 6  # orientation: rotate 90° clockwise to display
+    jpeg = io.BytesIO()
+    landscape.save(jpeg, format="JPEG", exif=exif)
+    assert decode_image(jpeg.getvalue(), max_pixels=100).size == (2, 6)
+
+    rgb = io.BytesIO()
+    landscape.save(rgb, format="PNG")
+    assert decode_image(rgb.getvalue(), max_pixels=100).tobytes() == landscape.tobytes()

@@ -1,4 +1,4 @@
-"""Image decoding (Pillow)."""
+"""Image decoding: vLLM's own image loading, behind EPD's limits and error messages."""
 
 from __future__ import annotations
 
@@ -15,23 +15,28 @@ if TYPE_CHECKING:
 def decode_image(data: bytes, *, max_pixels: int, field: str = "image.data") -> Image.Image:
     """Decodes image bytes fully, so that truncated files fail here and not in the tower.
 
+    The pixels are what ``vllm serve`` makes of the same bytes (vLLM's ``ImageMediaIO``): the
+    formats it serves, EXIF orientation applied, transparency composited on white, an RGB image
+    kept as it is (not copied). Anything else would give the tower other pixels than vLLM's.
+
     Raises:
         MediaError: the bytes are not a decodable image, or it has too many pixels.
     """
     from PIL import Image, UnidentifiedImageError
+    from vllm.multimodal.media.image import ImageMediaIO
 
     try:
-        image = Image.open(io.BytesIO(data))
-        # Checked before the pixels are decoded: a decompression bomb is refused cheaply.
-        if image.width * image.height > max_pixels:
-            raise MediaError(field, f"is {image.width}x{image.height} pixels, over the limit of {max_pixels}")
-        image.load()
-    except UnidentifiedImageError as exc:
-        # Pillow's own words name the BytesIO it was given ("cannot identify image file
-        # <_io.BytesIO object at 0x...>"): a new text on every call, and nothing for a human.
-        raise MediaError(field, "is not a decodable image (no image format recognized in its bytes)") from exc
+        # Only the header is read here: a decompression bomb is refused before any pixel is decoded.
+        with Image.open(io.BytesIO(data)) as header:
+            if header.width * header.height > max_pixels:
+                raise MediaError(field, f"is {header.width}x{header.height} pixels, over the limit of {max_pixels}")
+        return ImageMediaIO().load_bytes(data).media
+    except MediaError:
+        raise
     except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
-        if isinstance(exc, MediaError):
-            raise
-        raise MediaError(field, f"is not a decodable image ({client_text(str(exc), DESCRIPTION_BYTES)})") from exc
-    return image.convert("RGB")
+        cause = exc.__cause__ if isinstance(exc, ValueError) and exc.__cause__ is not None else exc  # vLLM wraps Pillow's error
+        if isinstance(cause, UnidentifiedImageError):
+            # Pillow's own words name the BytesIO it was given ("cannot identify image file
+            # <_io.BytesIO object at 0x...>"): a new text on every call, and nothing for a human.
+            raise MediaError(field, "is not a decodable image (no image format recognized in its bytes)") from exc
+        raise MediaError(field, f"is not a decodable image ({client_text(str(cause), DESCRIPTION_BYTES)})") from exc
