@@ -21,8 +21,8 @@ Per start, from the service's own output (stdout lines are timestamped as they a
   (``mincore(2)``): which shards and how many bytes were actually read from disk;
 - ``phases``: where the time to ready goes, from the first line each phase ends with
   (``PHASES``): the service's imports and gRPC port, vLLM's import and config in the service,
-  the engine-core process's start (it is spawned, so it imports vLLM again), the engine
-  core's set-up until it loads the model, the model load, vLLM's profiling, KV cache and
+  the engine core's start (with ``--engine-core process`` it is a spawned process, which imports
+  vLLM again; on a thread, the default, it takes milliseconds), the engine core's set-up until it loads the model, the model load, vLLM's profiling, KV cache and
   warm-up, and the service's work after the engine (arena counters, health flip to SERVING).
 
 The page cache is set before every start: warm (every checkpoint file fully resident) and cold
@@ -80,7 +80,7 @@ _SHARD_PROGRESS = re.compile(r"Loading safetensors checkpoint shards:.*?\|\s*(\d
 PHASES: tuple[tuple[str, str], ...] = (
     ("imports and gRPC port", "EPD_LISTENING "),
     ("vLLM import and config", "Resolved architecture"),
-    ("engine core process start", "Initializing a V1 LLM engine"),
+    ("engine core start", "Initializing a V1 LLM engine"),
     ("engine core set-up", _LOAD_STARTS),
     ("model load", "Loading weights took"),
     ("profiling, KV cache, warm-up", "init engine (profile, create kv cache, warmup model) took"),

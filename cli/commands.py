@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import enum
 import pathlib
 from collections.abc import Sequence
 
@@ -32,6 +33,7 @@ _ENGINE_FIELDS = (
     "max_audios_per_prompt",
     "caches",
     "seed",
+    "engine_core",
 )
 _KV_FIELDS = ("nixl_side_channel_port", "kv_lease_s")
 _ARENA_FIELDS = (
@@ -56,6 +58,7 @@ _SERVER_FIELDS = {
 _GATEWAY_MAX_CONCURRENT_STREAMS = 100
 _HELP = {
     "caches": "vLLM's prefix and multimodal processor caches, and the encoder-output cache (--no-caches for benchmarks)",
+    "engine_core": "where vLLM's engine core runs: thread (in this service's process: starts faster, no serialization) or process (vLLM's own)",
     "kv_cache_gib": "CPU only: the KV cache, in GiB (fractions allowed)",
     "nixl_side_channel_port": "vLLM NixlConnector side channel; 0 picks one",
     "kv_lease_s": "prefill: seconds computed KV waits for a decode to pull it before vLLM frees it (queued decodes extend it; "
@@ -107,6 +110,8 @@ def _flags(parser: argparse.ArgumentParser, cls: type, names: Sequence[str]) -> 
         flag = "--" + name.replace("_", "-")
         if isinstance(default, bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=_HELP.get(name))
+        elif isinstance(default, enum.Enum):
+            parser.add_argument(flag, type=type(default), choices=list(type(default)), default=default, help=_HELP.get(name))
         elif isinstance(default, tuple):
             parser.add_argument(flag, type=_comma_separated, default=default, help=_HELP.get(name))
         else:

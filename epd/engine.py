@@ -56,6 +56,19 @@ class EngineRole(enum.Enum):
         return {EngineRole.PREFILL: "kv_producer", EngineRole.DECODE: "kv_consumer"}.get(self)
 
 
+class EngineCorePlacement(enum.Enum):
+    """Where vLLM's engine core runs."""
+
+    # A thread of the service's process (epd.engine_thread): no second vLLM import at start, no
+    # serialization of requests and outputs; the core's Python shares the service's GIL.
+    THREAD = "thread"
+    # vLLM's own engine-core process: its Python runs beside the service's, at the cost above.
+    PROCESS = "process"
+
+    def __str__(self) -> str:  # as a command-line flag takes it
+        return self.value
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Everything that shapes a vLLM engine here. One place; the CLI derives its flags from it."""
@@ -71,6 +84,7 @@ class EngineConfig:
     max_audios_per_prompt: int = 4
     caches: bool = True  # vLLM's prefix and multimodal processor caches, EPD's encoder-output cache (off: benchmarks)
     seed: int = 0
+    engine_core: EngineCorePlacement = EngineCorePlacement.THREAD
     # KV handoff (vLLM NixlConnector): prefill and decode.
     nixl_side_channel_host: str = "127.0.0.1"
     nixl_side_channel_port: int = 0  # 0 picks a free port
@@ -193,7 +207,13 @@ class Engine:
             **_cpu_kwargs(config),
             **kwargs,
         )
-        self._llm = AsyncLLM.from_engine_args(args)
+        if config.engine_core is EngineCorePlacement.THREAD:
+            from epd.engine_thread import engine_core_on_a_thread
+
+            with engine_core_on_a_thread():
+                self._llm = AsyncLLM.from_engine_args(args)
+        else:
+            self._llm = AsyncLLM.from_engine_args(args)
         if self._llm.model_config.is_multimodal_model:
             from vllm.multimodal import MULTIMODAL_REGISTRY
 

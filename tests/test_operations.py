@@ -148,7 +148,11 @@ async def test_a_service_whose_engine_dies_leaves_and_is_started_again(family_st
     """When a service's vLLM engine core dies, the service stops claiming to serve: readiness and
     liveness go NOT_SERVING instead of failing every call, and a call that still reaches it is
     UNAVAILABLE. Then it exits with EXIT_ENGINE_DIED, and ``epd up``'s supervisor starts it
-    again at its address, where it serves the monolithic tokens."""
+    again at its address, where it serves the monolithic tokens.
+
+    The engine core runs in vLLM's own process here, so that the test can kill it alone; an
+    engine core on a thread of the service reports its death through the same ``Engine.alive``
+    (tests/test_engine_thread.py)."""
     import os
     import signal
     import threading
@@ -159,7 +163,7 @@ async def test_a_service_whose_engine_dies_leaves_and_is_started_again(family_st
     stop_supervising = threading.Event()
     supervisor = None
     try:
-        service = stack.start("combined-doomed", ["decode", "--model", family_stack.model, "--mode", "combined", *SMALL_KV_CACHE])
+        service = stack.start("combined-doomed", ["decode", "--model", family_stack.model, "--mode", "combined", "--engine-core", "process", *SMALL_KV_CACHE])
         stack.wait_ready([service], timeout=600)
         supervisor = threading.Thread(target=stack.supervise, args=(stop_supervising,), daemon=True)
         supervisor.start()
