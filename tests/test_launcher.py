@@ -1,4 +1,4 @@
-"""No orphans: every process a launcher starts (services and their vLLM engine processes) ends
+"""No orphans: every process a launcher starts (services, and vLLM engine-core processes where they run apart) ends
 when the launcher stops, fails or dies. Real services, loading real engines; each test kills
 only processes it started, by PID."""
 
@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 
 import psutil
+import pytest
 
 from cli.launcher import DEMO_MAX_TOKENS, DEMO_PROMPT, demo_media, gateway_args
 from epd.client import chat_request, generate
@@ -24,13 +25,24 @@ _STARTUP_S = 300
 _GONE_S = 60
 
 
-def _wait_for_engine_process(service_pid: int, log: pathlib.Path) -> None:
-    """Until the service has spawned its vLLM engine process (so there is a grandchild to orphan)."""
+def _loads_an_engine(process: psutil.Process) -> bool:
+    """Whether ``process`` or a child of it has vLLM's native ops mapped: an engine is loading
+    there (the service's own thread, or vLLM's engine-core process)."""
+    for candidate in (process, *process.children(recursive=True)):
+        with contextlib.suppress(psutil.Error, OSError):
+            if "/vllm/_C" in pathlib.Path(f"/proc/{candidate.pid}/maps").read_text():
+                return True
+    return False
+
+
+def _wait_for_engine_loading(service_pid: int, log: pathlib.Path) -> None:
+    """Until the service is loading its vLLM engine (the moment a launcher's death once left engine
+    processes behind)."""
     deadline = time.monotonic() + _STARTUP_S
     service = psutil.Process(service_pid)
-    while not service.children(recursive=True):
-        assert service.status() != psutil.STATUS_ZOMBIE, f"the service exited before it spawned its engine; its log:\n{log.read_text()[-3000:]}"
-        assert time.monotonic() < deadline, "the service spawned no engine process"
+    while not _loads_an_engine(service):
+        assert service.status() != psutil.STATUS_ZOMBIE, f"the service exited before it loaded its engine; its log:\n{log.read_text()[-3000:]}"
+        assert time.monotonic() < deadline, "the service loaded no engine"
         time.sleep(0.5)
 
 
@@ -77,11 +89,13 @@ def _killable_launcher(tmp_path: pathlib.Path, name: str, args: list[str], *, wa
             launcher.wait()
 
 
-def test_services_stop_when_their_launcher_is_killed(tmp_path):
+@pytest.mark.parametrize("engine_core", ["thread", "process"])
+def test_services_stop_when_their_launcher_is_killed(tmp_path, engine_core):
     """SIGKILL gives the launcher no chance to clean up: the service notices it was orphaned,
-    stops itself and takes its engine process with it."""
-    with _killable_launcher(tmp_path, "prefill", ["prefill", "--model", str(checkpoint("qwen2_5_vl"))]) as (launcher, service_pid):
-        _wait_for_engine_process(service_pid, tmp_path / "prefill.log")
+    stops itself and takes its engine with it (vLLM's engine-core process too, in that placement)."""
+    args = ["prefill", "--model", str(checkpoint("qwen2_5_vl")), "--engine-core", engine_core]
+    with _killable_launcher(tmp_path, "prefill", args) as (launcher, service_pid):
+        _wait_for_engine_loading(service_pid, tmp_path / "prefill.log")
         launcher.kill()
         launcher.wait()
         _assert_groups_end({service_pid})
@@ -94,8 +108,8 @@ def test_epd_up_stops_every_process_on_sigterm(tmp_path):
     up = subprocess.Popen([sys.executable, "-m", "cli", "up", "--model", str(model), "--mode", "epd-combined"], cwd=tmp_path, stdout=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + _STARTUP_S
-        while not any(child.children() for child in psutil.Process(up.pid).children()):
-            assert up.poll() is None and time.monotonic() < deadline, "epd up started no engine process"
+        while not any(_loads_an_engine(child) for child in psutil.Process(up.pid).children()):
+            assert up.poll() is None and time.monotonic() < deadline, "epd up's services loaded no engine"
             time.sleep(0.5)
         groups = {child.pid for child in psutil.Process(up.pid).children()}
         up.send_signal(signal.SIGTERM)
