@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import functools
 import json
-import os
 import pathlib
 import shutil
 import subprocess
@@ -25,19 +24,19 @@ from collections.abc import Iterator, Sequence
 from bench.common import progress
 
 _ROOT = pathlib.Path(__file__).resolve().parents[1]
-_GOPATH = _ROOT / "sdk" / ".gopath"
 
 
 def build_go_stages(out_dir: pathlib.Path) -> pathlib.Path:
     """Builds ``bench/go_stages`` into ``out_dir`` as ``scripts/gen_sdks.sh --check`` builds the
-    Go client (GOPATH mode, offline, against the generated SDK), generating the SDK first if it
-    is missing."""
-    if not (_GOPATH / "src" / "epd" / "sdk" / "go" / "epd" / "v1").is_dir():
+    Go client (module mode, offline: :mod:`devkit.go_build`), generating the SDK first if it is
+    missing."""
+    from devkit.go_build import build
+
+    if not (_ROOT / "sdk" / "go" / "epd" / "v1").is_dir():
         progress("bench/go_stages: no generated Go SDK; running scripts/gen_sdks.sh")
         subprocess.run([str(_ROOT / "scripts" / "gen_sdks.sh")], check=True, timeout=900)
-    env = {**os.environ, "GO111MODULE": "off", "GOPROXY": "off", "GOFLAGS": "", "GOPATH": f"{_GOPATH}:/usr/share/gocode"}
     binary = out_dir / "go_stages"
-    subprocess.run(["go", "build", "-o", str(binary), "."], cwd=_ROOT / "bench" / "go_stages", env=env, check=True, timeout=300)
+    build(_ROOT / "bench" / "go_stages", binary)
     return binary
 
 

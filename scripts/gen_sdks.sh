@@ -2,7 +2,8 @@
 # Generates the epd.v1 client SDKs under sdk/ (never committed; see protos/README.md):
 #   sdk/python  the `epd-client` package (messages, gRPC stubs, .pyi), no vLLM or torch
 #   sdk/ts      TypeScript for Node (ts-proto + @grpc/grpc-js), built to sdk/ts/dist
-#   sdk/go      Go (protoc-gen-go + protoc-gen-go-grpc), built against Debian's Go sources
+#   sdk/go      the Go module github.com/epd-project/epd/sdk/go (protoc-gen-go + protoc-gen-go-grpc;
+#               its go.mod is committed), built offline against Debian's Go sources
 # with protos/buf.gen.yaml and local plugins only: nothing is fetched at generation time.
 #
 #   scripts/gen_sdks.sh           install what is missing, generate, build the TypeScript SDK
@@ -26,7 +27,7 @@ SECONDS=0
 # --- toolchain ----------------------------------------------------------------------------
 # Debian 12 packages: Go 1.19, protoc-gen-go 1.28.1, protoc-gen-go-grpc (grpc-go 1.33.3) and
 # the Go sources of grpc, protobuf and genproto in /usr/share/gocode (the Go module proxy is
-# not reachable from CI, so Go builds in GOPATH mode against them). Node and npm for the
+# not reachable from CI, so Go builds in module mode with those sources vendored). Node and npm for the
 # TypeScript SDK.
 missing=()
 command -v go >/dev/null || missing+=(golang-go)
@@ -94,29 +95,45 @@ cp sdk/ts/node_modules/@grpc/reflection/build/proto/grpc/reflection/v1/reflectio
 step "buf generate (protos/buf.gen.yaml, protos/buf.gen.deps.yaml)"
 "$TOOLS/bin/buf" generate --template protos/buf.gen.yaml
 "$TOOLS/bin/buf" generate --template protos/buf.gen.deps.yaml
+# The SDKs' version is sdk/VERSION, whose major is the proto package's (epd.v1: 1): a breaking
+# contract goes to epd.v2 and SDK 2.x together (protos/README.md).
+VERSION=$(cat sdk/VERSION)
+major=$(find protos/epd -maxdepth 1 -name 'v[0-9]*' -printf '%f\n' | tr -d v | sort -n | tail -1)
+[[ "$VERSION" =~ ^${major}\.[0-9]+\.[0-9]+$ ]] || { echo "[sdk] sdk/VERSION is $VERSION: it must be ${major}.MINOR.PATCH (epd.v${major})" >&2; exit 1; }
 # epd is a namespace package (shared with the services' own epd package); epd.v1 is typed.
-: >sdk/python/src/epd/v1/__init__.py
+printf '__version__ = "%s"\n' "$VERSION" >sdk/python/src/epd/v1/__init__.py
 : >sdk/python/src/epd/v1/py.typed
 
 step "tsc (sdk/ts -> sdk/ts/dist)"
 rm -rf sdk/ts/dist
 (cd sdk/ts && node_modules/.bin/tsc -p tsconfig.json)
 
-# GOPATH mode: the SDK's import path epd/sdk/go/epd/v1 (its go_package) resolves through this
-# one link; everything else comes from Debian's /usr/share/gocode.
-mkdir -p sdk/.gopath/src/epd/sdk
-ln -sfn "$ROOT/sdk/go" sdk/.gopath/src/epd/sdk/go
+# Installable artifacts in sdk/dist: the Python wheel and sdist, the npm tarball, all at
+# sdk/VERSION (npm packs a copy whose package.json carries it; the committed one says 0.0.0).
+step "artifacts (sdk/dist): python -m build sdk/python, npm pack sdk/ts, version $VERSION"
+rm -rf sdk/dist sdk/python/build sdk/python/src/*.egg-info
+"$TOOLS/bin/python" -m build --quiet --no-isolation --outdir sdk/dist sdk/python >/dev/null
+stage=$(mktemp -d)
+cp -r sdk/ts/package.json sdk/ts/dist "$stage/"
+(cd "$stage" && npm pkg set version="$VERSION" && npm pack --silent --pack-destination "$ROOT/sdk/dist" >/dev/null)
+rm -rf "$stage"
+
 step "generated in ${SECONDS}s"
 [ "$CHECK" = 1 ] || exit 0
 
 # --- checks -------------------------------------------------------------------------------
-step "python: install epd-client into $TOOLS, import it without torch or vLLM, mypy --strict clients/python/usage.py"
-"$TOOLS/bin/python" -m pip install --disable-pip-version-check -qq --no-build-isolation ./sdk/python
+step "python: install the epd-client wheel into $TOOLS, import it without torch or vLLM, mypy --strict clients/python/usage.py"
+"$TOOLS/bin/python" -m pip install --disable-pip-version-check -qq --force-reinstall --no-deps "sdk/dist/epd_client-$VERSION-py3-none-any.whl"
 # From /tmp, so that `epd` cannot resolve to this checkout's own package.
-(cd /tmp && "$ROOT/$TOOLS/bin/python" - <<'EOF'
+(cd /tmp && VERSION=$VERSION "$ROOT/$TOOLS/bin/python" - <<'EOF'
+import importlib.metadata
 import importlib.util
+import os
 
+import epd.v1
 from epd.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+assert epd.v1.__version__ == importlib.metadata.version("epd-client") == os.environ["VERSION"], epd.v1.__version__
 
 assert "site-packages" in gateway_pb2.__file__, gateway_pb2.__file__
 for heavy in ("torch", "vllm", "nixl"):
@@ -129,16 +146,18 @@ EOF
 )
 (cd clients/python && "$ROOT/$TOOLS/bin/mypy" --config-file mypy.ini --no-incremental --python-executable "$ROOT/$TOOLS/bin/python" usage.py)
 
+step "typescript: npm install the SDK's tarball in an empty project and require it"
+project=$(mktemp -d)
+(cd "$project" && npm init -y >/dev/null && npm install --silent --prefer-offline --no-audit --no-fund "$ROOT/sdk/dist/epd-client-$VERSION.tgz" \
+  && node -e 'const c = require("@epd/client"); if (!c.gateway.GatewayServiceClient) throw new Error("no GatewayServiceClient");
+              const v = require("@epd/client/package.json").version; if (v !== process.argv[1]) throw new Error(v);' "$VERSION")
+rm -rf "$project"
 step "typescript: the SDK built above with tsc --strict; clients/node against it"
 npm_ci clients/node
 rm -rf clients/node/dist
 (cd clients/node && node_modules/.bin/tsc -p tsconfig.json)
 
-step "go: go build the SDK and clients/go (GOPATH mode, offline)"
-export GO111MODULE=off GOPROXY=off GOFLAGS= GOPATH="$ROOT/sdk/.gopath:/usr/share/gocode"
-(cd sdk/go && go build ./...)
-bin=$(mktemp -d)
-test -z "$(gofmt -l clients/go)" || { echo "[sdk] gofmt: $(gofmt -l clients/go)" >&2; exit 1; }
-(cd clients/go && go vet ./... && go build -o "$bin/" ./...)
-rm -rf "$bin"
+step "go: go vet and go build the SDK module and clients/go in module mode, offline (devkit/go_build.py)"
+test -z "$(gofmt -l clients/go/*.go)" || { echo "[sdk] gofmt: $(gofmt -l clients/go/*.go)" >&2; exit 1; }
+python3 -m devkit.go_build sdk/go clients/go
 step "checked in ${SECONDS}s"

@@ -108,7 +108,7 @@ def test_the_contract_is_compatible_with_the_baseline():
         # A removed enum value.
         (("  FINISH_REASON_ABORT = 3;\n", ""), r'enum value "3" .*"FinishReason" was deleted'),
         # A changed generated-code option (Go users import the package by this path).
-        (('option go_package = "epd/sdk/go/epd/v1;epdv1";', 'option go_package = "epd/v2;epdv1";'), r'File option "go_package" changed'),
+        (('option go_package = "github.com/epd-project/epd/sdk/go/epd/v1;epdv1";', 'option go_package = "github.com/epd-project/epd/sdk/go/epd/v2;epdv1";'), r'File option "go_package" changed'),
     ],
 )
 def test_buf_breaking_catches_a_break(tmp_path, edit, problem):

@@ -4,25 +4,24 @@
 call at run time (grpc-go's codec and Debian's golang/protobuf 1.3 could not read the generated
 APIv2 messages: each call panicked). So the client runs here against a real gateway of the
 shared Qwen2.5-VL stack (``family_stack``: no engine of its own), and its output is checked
-against what the Python client sees. The fixture builds the client in GOPATH mode, offline,
-as the SDK check does. Skipped only without ``go``.
+against what the Python client sees. The fixture builds the client in module mode, offline
+(:mod:`devkit.go_build`), as the SDK check does. Skipped only without ``go``.
 """
 
 from __future__ import annotations
 
-import os
 import pathlib
 import shutil
 import subprocess
 
 import pytest
 
+from devkit.go_build import build
 from devkit.media import synthetic_image_png
 from epd.client import chat_request, generate
 from epd.v1 import common_pb2
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-GOPATH = ROOT / "sdk" / ".gopath"
 PROMPT = "What is in this picture?"
 
 
@@ -31,11 +30,10 @@ def go_client(tmp_path_factory) -> str:
     if shutil.which("go") is None:
         print("SKIP test_go_client: `go` is not on PATH (scripts/gen_sdks.sh installs Debian's Go)")
         pytest.skip("go is not installed")
-    if not (GOPATH / "src" / "epd" / "sdk" / "go" / "epd" / "v1").is_dir():
+    if not (ROOT / "sdk" / "go" / "epd" / "v1").is_dir():
         subprocess.run([str(ROOT / "scripts" / "gen_sdks.sh"), "--check"], check=True, timeout=900)
     binary = tmp_path_factory.mktemp("go-client") / "epd-generate"
-    env = {**os.environ, "GO111MODULE": "off", "GOPROXY": "off", "GOFLAGS": "", "GOPATH": f"{GOPATH}:/usr/share/gocode"}
-    subprocess.run(["go", "build", "-o", str(binary), "."], cwd=ROOT / "clients" / "go", env=env, check=True, timeout=300)
+    build(ROOT / "clients" / "go", binary)
     return str(binary)
 
 

@@ -10,7 +10,7 @@ import (
 	"strings"
 	"time"
 
-	epdv1 "epd/sdk/go/epd/v1"
+	epdv1 "github.com/epd-project/epd/sdk/go/epd/v1"
 	"google.golang.org/grpc"
 )
 

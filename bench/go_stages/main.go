@@ -28,7 +28,7 @@ import (
 	"strings"
 	"time"
 
-	epdv1 "epd/sdk/go/epd/v1"
+	epdv1 "github.com/epd-project/epd/sdk/go/epd/v1"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/health"

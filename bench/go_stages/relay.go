@@ -7,7 +7,7 @@ import (
 	"io"
 	"time"
 
-	epdv1 "epd/sdk/go/epd/v1"
+	epdv1 "github.com/epd-project/epd/sdk/go/epd/v1"
 	"google.golang.org/grpc"
 	"google.golang.org/protobuf/types/known/durationpb"
 )

@@ -15,7 +15,7 @@ import (
 	"path/filepath"
 	"time"
 
-	epdv1 "epd/sdk/go/epd/v1"
+	epdv1 "github.com/epd-project/epd/sdk/go/epd/v1"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/status"
