@@ -16,6 +16,9 @@ encoder ran, on the same images.
 
 Both must agree on every item's embedding shape (rows x width), so they did the same work.
 
+The same service is then measured at 1, 4 and 16 Encode calls in flight with 1 to 8 images per
+call (``sweep``), and with video clips; an encoder of a Qwen2-Audio checkpoint with audio clips.
+
 Run ``python -m bench.encoder_throughput [--quick] [--repeats N] [--num-items N]``.
 """
 
@@ -23,13 +26,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
+import dataclasses
 import pathlib
 import random
 import shlex
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from bench.common import RESULTS_DIR, command_line, progress, summarize, write_result
@@ -44,7 +49,18 @@ HF_BATCH_ITEMS = 16  # the old encoder's max_batch_items
 FULL_ITEMS, QUICK_ITEMS = 64, 12
 FULL_REPEATS, QUICK_REPEATS = 3, 1
 IMAGE_EDGE_PX = (448, 896)  # inclusive, multiples of 28 (the tower's patch 14 x merge 2)
+# The service's items/s by concurrent Encode calls and items per call (issue 32); quick: corners.
+SWEEP_CONCURRENCY, SWEEP_ITEMS_PER_CALL = (1, 4, 16), (1, 2, 4, 8)
+QUICK_SWEEP_CONCURRENCY, QUICK_SWEEP_ITEMS_PER_CALL = (1, 16), (1, 4)
+# Video (the same Qwen2.5-VL encoder) and audio (a Qwen2-Audio encoder) rows: clips per pass, sent
+# 16 calls at a time, one clip each.
+CLIPS, QUICK_CLIPS = 16, 4
+CLIP_CONCURRENCY = 16
+VIDEO_EDGE_PX, VIDEO_FPS, VIDEO_SECONDS = 224, 10.0, 2.0
+AUDIO_SECONDS = (2.0, 5.0)
+AUDIO_FAMILY = "qwen2_audio"
 SEED = 0
+THROUGHPUT_GOAL = 0.9  # issue 32: the service at x0.9 of the in-process pipeline's items/s
 _CALL_TIMEOUT_S = 300.0
 _LEASES_DRAIN_S = 10.0
 
@@ -91,19 +107,68 @@ def run(
 
     repeats = repeats or (QUICK_REPEATS if quick else FULL_REPEATS)
     num_items = num_items or (QUICK_ITEMS if quick else FULL_ITEMS)
-    model = ensure_tiny_checkpoint(FAMILY, checkpoint_root or DEFAULT_CHECKPOINT_ROOT)
+    clips = QUICK_CLIPS if quick else CLIPS
+    sweep = (QUICK_SWEEP_CONCURRENCY, QUICK_SWEEP_ITEMS_PER_CALL) if quick else (SWEEP_CONCURRENCY, SWEEP_ITEMS_PER_CALL)
+    root = checkpoint_root or DEFAULT_CHECKPOINT_ROOT
+    model = ensure_tiny_checkpoint(FAMILY, root)
     images = build_images(num_items)
     progress(f"{NAME}: {num_items} JPEGs of {IMAGE_EDGE_PX[0]}-{IMAGE_EDGE_PX[1]} px, {repeats} repeats, {model}")
     hf = measure_hf(model, images, repeats)
     progress(f"{NAME}: hf_tower {hf['items_per_s']['median']:.1f} items/s")
-    service = measure_vllm_service(model, images, repeats)
-    progress(f"{NAME}: vllm_service {service['items_per_s']['median']:.1f} items/s, {service['mean_batch_items']:.1f} items per engine step")
-    payload = build_payload(model, repeats, hf, service)
+    with encoder_service(model) as encoder:
+        service = measure_encoder(encoder.address, encoder.metrics_port, image_items(images), repeats)
+        progress(f"{NAME}: vllm_service {service['items_per_s']['median']:.1f} items/s, {service['mean_batch_items']:.1f} items per engine step")
+        grid = measure_sweep(encoder, image_items(images), repeats, *sweep)
+        video = measure_encoder(encoder.address, encoder.metrics_port, build_videos(clips), repeats, concurrency=CLIP_CONCURRENCY)
+        progress(f"{NAME}: video {video['items_per_s']['median']:.1f} clips/s")
+    with encoder_service(ensure_tiny_checkpoint(AUDIO_FAMILY, root)) as encoder:
+        audio = measure_encoder(encoder.address, encoder.metrics_port, build_audio(clips), repeats, concurrency=CLIP_CONCURRENCY)
+        progress(f"{NAME}: audio {audio['items_per_s']['median']:.1f} clips/s")
+    payload = build_payload(model, repeats, hf, service, sweep=grid, video=video, audio=audio)
     progress(f"{NAME}: vLLM service / HF tower items/s ×{payload['ratios']['vllm_service_over_hf_tower']:.2f}")
     return write_result(NAME, payload, command=command or command_line(), results_dir=results_dir)
 
 
-def build_payload(model_dir: pathlib.Path, repeats: int, hf: dict[str, Any], service: dict[str, Any]) -> dict[str, Any]:
+def build_videos(count: int, seed: int = SEED) -> list[Item]:
+    """Seeded MP4 clips of ``VIDEO_SECONDS`` at ``VIDEO_FPS``, ``VIDEO_EDGE_PX`` square."""
+    from devkit.media import synthetic_video
+
+    frames = int(VIDEO_SECONDS * VIDEO_FPS)
+    return [Item("video", synthetic_video(VIDEO_EDGE_PX, VIDEO_EDGE_PX, frames, fps=VIDEO_FPS, seed=seed * 10_007 + index), "video/mp4") for index in range(count)]
+
+
+def build_audio(count: int, seed: int = SEED) -> list[Item]:
+    """Seeded 16 kHz WAV clips of ``AUDIO_SECONDS`` (uniform)."""
+    from devkit.media import sine_samples, wav_int16
+
+    rng = random.Random(seed)
+    return [
+        Item("audio", wav_int16(sine_samples(rng.uniform(*AUDIO_SECONDS), 16000, freq=rng.uniform(200, 800), seed=seed * 10_007 + index), 16000), "audio/wav")
+        for index in range(count)
+    ]
+
+
+def measure_sweep(encoder, items: Sequence[Item], repeats: int, concurrency: Sequence[int], items_per_call: Sequence[int]) -> list[dict[str, Any]]:
+    """The service's items/s for every pair of concurrent calls and items per call."""
+    grid = []
+    for calls in concurrency:
+        for per_call in items_per_call:
+            measured = measure_encoder(encoder.address, encoder.metrics_port, items, repeats, concurrency=calls, items_per_call=per_call)
+            grid.append({"concurrency": calls, "items_per_call": per_call, **_public(measured)})
+            progress(f"{NAME}: {calls} calls x {per_call} items: {measured['items_per_s']['median']:.1f} items/s")
+    return grid
+
+
+def build_payload(
+    model_dir: pathlib.Path,
+    repeats: int,
+    hf: dict[str, Any],
+    service: dict[str, Any],
+    *,
+    sweep: Sequence[dict[str, Any]] = (),
+    video: dict[str, Any] | None = None,
+    audio: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The result document.
 
     Raises:
@@ -127,7 +192,13 @@ def build_payload(model_dir: pathlib.Path, repeats: int, hf: dict[str, Any], ser
             "embedding_rows": [rows for rows, _ in hf["shapes"]],
             "embedding_width": hf["shapes"][0][1],
         },
-        "results": {"vllm_service": _public(service), "hf_tower": _public(hf)},
+        "results": {
+            "vllm_service": _public(service),
+            "hf_tower": _public(hf),
+            "sweep": list(sweep),
+            **({"video": _public(video)} if video else {}),
+            **({"audio": _public(audio)} if audio else {}),
+        },
         "ratios": {"vllm_service_over_hf_tower": service["items_per_s"]["median"] / hf["items_per_s"]["median"]},
     }
 
@@ -185,38 +256,54 @@ def measure_hf(model_dir: pathlib.Path, images: Sequence[bytes], repeats: int) -
 # --- the encoder service: vLLM's encoder-only engine ----------------------------------------------
 
 
-def measure_vllm_service(model_dir: pathlib.Path, images: Sequence[bytes], repeats: int) -> dict[str, Any]:
-    """Starts the encoder service (fp32, the defaults) and measures it with :func:`measure_encoder`."""
+@contextlib.contextmanager
+def encoder_service(model_dir: pathlib.Path) -> Iterator[Any]:
+    """An encoder service (fp32, the defaults) on ``model_dir``, its encoder-output cache off:
+    every timed pass re-sends the same media, and the tower is what is measured."""
     from cli.launcher import Stack
 
     stack = Stack()
-    progress(f"{NAME}: starting the encoder service (log in {stack.log_dir})")
+    progress(f"{NAME}: starting the encoder service for {model_dir.name} (log in {stack.log_dir})")
     try:
-        # The encoder-output cache off: every timed pass re-sends the same images, and the tower is what is measured.
         encoder = stack.start("encoder", ["encoder", "--model", str(model_dir), "--metrics-port", "0", "--encoder-cache-bytes", "0"])
         stack.wait_ready([encoder], timeout=600)
-        return measure_encoder(encoder.address, encoder.metrics_port, images, repeats)
+        yield encoder
     finally:
         stack.stop()
 
 
-def measure_encoder(address: str, metrics_port: int, images: Sequence[bytes], repeats: int) -> dict[str, Any]:
-    """Items/s of a running encoder service at saturation, one image per ``Encode`` call."""
+@dataclasses.dataclass(frozen=True)
+class Item:
+    """One media item as a client sends it."""
+
+    modality: str  # the MediaItem field: image, video or audio
+    data: bytes
+    mime_type: str
+
+
+def image_items(images: Sequence[bytes]) -> list[Item]:
+    return [Item("image", data, "image/jpeg") for data in images]
+
+
+def measure_encoder(
+    address: str, metrics_port: int, items: Sequence[Item], repeats: int, *, concurrency: int | None = None, items_per_call: int = 1
+) -> dict[str, Any]:
+    """Items/s of a running encoder service: ``items`` in Encode calls of ``items_per_call``, at
+    most ``concurrency`` calls in flight (None: every call at once, saturation)."""
     from epd.telemetry import scrape
 
-    asyncio.run(_saturate(address, images[:2], salt="warm-up"))
+    modality = items[0].modality
+    counters = [f"{name}{{modality={modality}}}" for name in _COUNTERS]
+    asyncio.run(_send(address, items[:2], salt="warm-up"))
     passes = []
     for repeat in range(repeats):
         before = scrape(metrics_port)
-        seconds, shapes = asyncio.run(_saturate(address, images, salt=f"repeat-{repeat}"))
+        seconds, shapes = asyncio.run(_send(address, items, salt=f"repeat-{repeat}-{concurrency}-{items_per_call}", concurrency=concurrency, items_per_call=items_per_call))
         after = scrape(metrics_port)
-        passes.append((seconds, shapes, {key: after.get(key, 0.0) - before.get(key, 0.0) for key in _COUNTERS}))
-    steps = sum(delta["epd_encoder_batches{modality=image}"] for _, _, delta in passes)
-    batch_items = sum(delta["epd_encoder_batch_items{modality=image}"] for _, _, delta in passes)
-    call_seconds = sum(delta["epd_encoder_seconds_sum{modality=image}"] for _, _, delta in passes)
-    calls = sum(delta["epd_encoder_seconds_count{modality=image}"] for _, _, delta in passes)
+        passes.append((seconds, shapes, {key: after.get(key, 0.0) - before.get(key, 0.0) for key in counters}))
+    steps, batch_items, call_seconds, calls = (sum(delta[key] for _, _, delta in passes) for key in counters)
     return {
-        "items_per_s": summarize([len(images) / seconds for seconds, _, _ in passes]),
+        "items_per_s": summarize([len(items) / seconds for seconds, _, _ in passes]),
         "seconds": summarize([seconds for seconds, _, _ in passes]),
         "mean_batch_items": batch_items / steps if steps else float("nan"),
         "engine_steps": steps,
@@ -226,41 +313,47 @@ def measure_encoder(address: str, metrics_port: int, images: Sequence[bytes], re
     }
 
 
-_COUNTERS = (
-    "epd_encoder_batches{modality=image}",
-    "epd_encoder_batch_items{modality=image}",
-    "epd_encoder_seconds_sum{modality=image}",
-    "epd_encoder_seconds_count{modality=image}",
-)
+_COUNTERS = ("epd_encoder_batches", "epd_encoder_batch_items", "epd_encoder_seconds_sum", "epd_encoder_seconds_count")
 
 
-async def _saturate(address: str, images: Sequence[bytes], *, salt: str) -> tuple[float, list[tuple[int, int]]]:
-    """Sends every image as its own Encode call at once; returns the seconds from the first send
-    to the last response, and each item's embedding shape. Leases are given back per call."""
+async def _send(
+    address: str, items: Sequence[Item], *, salt: str, concurrency: int | None = None, items_per_call: int = 1
+) -> tuple[float, list[tuple[int, int]]]:
+    """Sends the items in Encode calls of ``items_per_call``, at most ``concurrency`` in flight;
+    returns the seconds from the first send to the last response, and each item's embedding
+    shape. Leases are given back per call."""
     import grpc
 
     from epd.server import CLIENT_OPTIONS
     from epd.v1 import encoder_pb2, encoder_pb2_grpc, multimodal_pb2
 
+    calls = [items[start : start + items_per_call] for start in range(0, len(items), items_per_call)]
+    slots = asyncio.Semaphore(concurrency or len(calls))
     async with grpc.aio.insecure_channel(address, options=CLIENT_OPTIONS) as channel:
         stub = encoder_pb2_grpc.EncoderServiceStub(channel)
         done: list[float] = []
 
-        async def one(index: int, data: bytes) -> tuple[int, int]:
+        async def one(index: int, call: Sequence[Item]) -> list[tuple[int, int]]:
             # Bytes of their own per pass, so that the content hash (the key of vLLM's encoder
             # cache and of EPD's, recomputed by the encoder) is new while the pixels are not.
-            item = multimodal_pb2.MediaItem(image=multimodal_pb2.Media(data=salt_media(data, "image/jpeg", salt), mime_type="image/jpeg"))
-            response = await stub.Encode(encoder_pb2.EncodeRequest(request_id=f"bench-{salt}-{index}", items=[item]), timeout=_CALL_TIMEOUT_S)
-            done.append(time.perf_counter())
-            (encoded,) = response.items
-            if encoded.embedding.HasField("nixl"):
-                await stub.ReleaseEmbeddings(encoder_pb2.ReleaseEmbeddingsRequest(lease_ids=[encoded.embedding.nixl.lease_id]), timeout=_CALL_TIMEOUT_S)
-            rows, width = encoded.metadata.embedding_shape
-            return int(rows), int(width)
+            request = encoder_pb2.EncodeRequest(
+                request_id=f"bench-{salt}-{index}",
+                items=[
+                    multimodal_pb2.MediaItem(**{item.modality: multimodal_pb2.Media(data=salt_media(item.data, item.mime_type, f"{salt}-{index}"), mime_type=item.mime_type)})
+                    for item in call
+                ],
+            )
+            async with slots:
+                response = await stub.Encode(request, timeout=_CALL_TIMEOUT_S)
+                done.append(time.perf_counter())
+                leases = [encoded.embedding.nixl.lease_id for encoded in response.items if encoded.embedding.HasField("nixl")]
+                if leases:
+                    await stub.ReleaseEmbeddings(encoder_pb2.ReleaseEmbeddingsRequest(lease_ids=leases), timeout=_CALL_TIMEOUT_S)
+            return [(int(encoded.metadata.embedding_shape[0]), int(encoded.metadata.embedding_shape[1])) for encoded in response.items]
 
         started = time.perf_counter()
-        shapes = await asyncio.gather(*(one(index, data) for index, data in enumerate(images)))
-    return max(done) - started, list(shapes)
+        shapes = await asyncio.gather(*(one(index, call) for index, call in enumerate(calls)))
+    return max(done) - started, [shape for call in shapes for shape in call]
 
 
 def _leases_after_drain(metrics_port: int) -> float:
@@ -296,7 +389,7 @@ def report(doc: dict) -> list[str]:
     cfg, results = doc["config"], doc["results"]
     service, hf = results["vllm_service"], results["hf_tower"]
     stages = ", ".join(f"{stage} {fmt(seconds, 3)} s" for stage, seconds in hf["stage_seconds_median"].items())
-    return [
+    lines = [
         "## Encoder throughput: vLLM's tower (encoder service) vs the HF tower",
         "",
         f"Command: `{doc['command']}`  ",
@@ -310,8 +403,35 @@ def report(doc: dict) -> list[str]:
         f"leases released; {fmt(service['mean_batch_items'], 1)} items per engine step, mean Encode call {fmt(service['mean_encode_call_ms'], 1)} ms |",
         f"| hf_tower | {fmt(hf['items_per_s']['median'])} | {fmt(hf['seconds']['median'], 3)} | in-process decode + HF processor + get_image_features, "
         f"batches of {cfg['hf_batch_items']}, {hf['torch_threads']} torch threads; {stages} |",
+    ]
+    for modality in ("video", "audio"):
+        if modality in results:
+            row = results[modality]
+            lines.append(
+                f"| vllm_service, {modality} | {fmt(row['items_per_s']['median'])} | {fmt(row['seconds']['median'], 3)} | "
+                f"{'MP4 clips (the same encoder)' if modality == 'video' else 'WAV clips (a Qwen2-Audio encoder)'}, {CLIP_CONCURRENCY} Encode calls at a time, one clip each; "
+                f"{fmt(row['mean_batch_items'], 1)} items per engine step |"
+            )
+    lines += [
         "",
-        f"Ratio (vLLM service over HF tower, items/s): ×{fmt(doc['ratios']['vllm_service_over_hf_tower'], 3)}. "
-        f"Arena leases at the end: {service['arena_leases_at_end']:g}.",
+        f"Ratio (vLLM service over HF tower, items/s): ×{fmt(doc['ratios']['vllm_service_over_hf_tower'], 3)} (goal ×0.9: "
+        f"{'met' if doc['ratios']['vllm_service_over_hf_tower'] >= THROUGHPUT_GOAL else 'NOT met'}). Arena leases at the end: {service['arena_leases_at_end']:g}.",
         "",
     ]
+    if results.get("sweep"):
+        per_call = sorted({cell["items_per_call"] for cell in results["sweep"]})
+        lines += [
+            "The service's images/s by Encode calls in flight (rows) and images per call (columns), medians; items per engine step in brackets:",
+            "",
+            "| calls in flight | " + " | ".join(f"{k} per call" for k in per_call) + " |",
+            "| --- | " + " | ".join("---" for _ in per_call) + " |",
+        ]
+        for calls in sorted({cell["concurrency"] for cell in results["sweep"]}):
+            cells = {cell["items_per_call"]: cell for cell in results["sweep"] if cell["concurrency"] == calls}
+            lines.append(
+                f"| {calls} | "
+                + " | ".join(f"{fmt(cells[k]['items_per_s']['median'])} ({fmt(cells[k]['mean_batch_items'], 1)})" if k in cells else "" for k in per_call)
+                + " |"
+            )
+        lines.append("")
+    return lines

@@ -29,8 +29,11 @@ def test_smoke_run_writes_the_schema(family_stack, tmp_path: pathlib.Path) -> No
     model = pathlib.Path(family_stack.model)
     images = encoder_throughput.build_images(4)
     hf = encoder_throughput.measure_hf(model, images, repeats=1)
-    service = encoder_throughput.measure_encoder(family_stack.encoder.address, family_stack.encoder.metrics_port, images, repeats=1)
-    payload = encoder_throughput.build_payload(model, 1, hf, service)
+    encoder = family_stack.encoder
+    service = encoder_throughput.measure_encoder(encoder.address, encoder.metrics_port, encoder_throughput.image_items(images), repeats=1)
+    sweep = encoder_throughput.measure_sweep(encoder, encoder_throughput.image_items(images), 1, (1, 2), (1, 4))
+    video = encoder_throughput.measure_encoder(encoder.address, encoder.metrics_port, encoder_throughput.build_videos(2), repeats=1, concurrency=2)
+    payload = encoder_throughput.build_payload(model, 1, hf, service, sweep=sweep, video=video)
     path = write_result(encoder_throughput.NAME, payload, command="pytest", results_dir=tmp_path)
 
     doc = json.loads(path.read_text())
@@ -50,8 +53,18 @@ def test_smoke_run_writes_the_schema(family_stack, tmp_path: pathlib.Path) -> No
     assert set(hf["stage_seconds_median"]) == {"decode", "processor", "tower"}
     assert doc["ratios"]["vllm_service_over_hf_tower"] == pytest.approx(service["items_per_s"]["median"] / hf["items_per_s"]["median"])
 
+    # One call in flight with one image a call is one image per engine step; a call of 4 images
+    # gives vLLM's scheduler more than one at a time.
+    cells = {(cell["concurrency"], cell["items_per_call"]): cell for cell in doc["results"]["sweep"]}
+    assert set(cells) == {(1, 1), (1, 4), (2, 1), (2, 4)}
+    assert cells[(1, 1)]["mean_batch_items"] == 1 < cells[(1, 4)]["mean_batch_items"]
+    assert all(positive(cell["items_per_s"]["median"]) and cell["arena_leases_at_end"] == 0 for cell in cells.values())
+    video = doc["results"]["video"]
+    assert positive(video["items_per_s"]["median"]) and video["arena_leases_at_end"] == 0 and video["engine_steps"] >= 1
+
     report = write_report(tmp_path, out=tmp_path / "BENCHMARKS.md").read_text()
     assert "## Encoder throughput" in report and "Command: `pytest`" in report and "| vllm_service |" in report
+    assert "| vllm_service, video |" in report and "| 1 | " in report and "4 per call" in report
 
 
 def test_images_are_seeded_jpegs_of_the_configured_sizes() -> None:
@@ -63,3 +76,15 @@ def test_images_are_seeded_jpegs_of_the_configured_sizes() -> None:
     for data in images:
         image = Image.open(io.BytesIO(data))
         assert image.format == "JPEG" and all(low <= edge <= high and edge % 28 == 0 for edge in image.size)
+
+
+def test_clips_are_seeded_mp4_and_wav_of_the_configured_lengths() -> None:
+    import soundfile
+
+    videos, audio = encoder_throughput.build_videos(2), encoder_throughput.build_audio(3)
+    assert [v.data for v in videos] == [v.data for v in encoder_throughput.build_videos(2)] and videos[0].data != videos[1].data
+    assert all(v.modality == "video" and v.mime_type == "video/mp4" and v.data[4:8] == b"ftyp" for v in videos)
+    low, high = encoder_throughput.AUDIO_SECONDS
+    for clip in audio:
+        samples, rate = soundfile.read(io.BytesIO(clip.data))
+        assert clip.modality == "audio" and rate == 16000 and low <= len(samples) / rate <= high
