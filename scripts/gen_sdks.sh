@@ -112,7 +112,7 @@ rm -rf sdk/ts/dist
 # sdk/VERSION (npm packs a copy whose package.json carries it; the committed one says 0.0.0).
 step "artifacts (sdk/dist): python -m build sdk/python, npm pack sdk/ts, version $VERSION"
 rm -rf sdk/dist sdk/python/build sdk/python/src/*.egg-info
-"$TOOLS/bin/python" -m build --quiet --no-isolation --outdir sdk/dist sdk/python >/dev/null
+built=$("$TOOLS/bin/python" -m build --no-isolation --outdir sdk/dist sdk/python 2>&1) || { echo "$built" >&2; exit 1; }
 stage=$(mktemp -d)
 cp -r sdk/ts/package.json sdk/ts/dist "$stage/"
 (cd "$stage" && npm pkg set version="$VERSION" && npm pack --silent --pack-destination "$ROOT/sdk/dist" >/dev/null)
