@@ -83,6 +83,7 @@ EXPERIMENTS: dict[str, Experiment] = {
         Experiment("soak", "bench.soak", ("num_requests",)),
         Experiment("encoder_memory", "bench.encoder_memory"),
         Experiment("chaos", "bench.chaos", ("duration_s",)),
+        Experiment("bf16_load", "bench.bf16_load", ("repeats",)),
     )
 }
 SCHEMA_VERSION = 2  # 2: the vLLM encoder and EC connector (handoff, cold_start and serving changed)

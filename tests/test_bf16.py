@@ -100,3 +100,20 @@ async def test_hf_tower_bf16_embedding_is_not_vllms(family_stack, family):
     assert hf_rows.shape == vllm_rows.shape and hf_rows.dtype == vllm_rows.dtype == torch.bfloat16
     assert not torch.equal(hf_rows, vllm_rows)
     assert torch.allclose(hf_rows.float(), vllm_rows.float(), rtol=0.05, atol=0.05)
+
+
+def test_batch_invariant_mode_is_refused_at_start_on_cpu():
+    """vLLM's CPU platform takes VLLM_BATCH_INVARIANT=1 and then fails the first forward pass
+    (Triton kernels, no CPU backend): a stage given --batch-invariant on CPU refuses to start,
+    saying so, instead of dying at its first request."""
+    import pathlib
+    import subprocess
+    import sys
+
+    from tests.conftest import checkpoint
+
+    command = [sys.executable, "-m", "cli", "prefill", "--model", str(checkpoint("qwen2_5_vl")), "--batch-invariant", "--port", "0"]
+    started = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=pathlib.Path(__file__).resolve().parents[1])
+    assert started.returncode != 0
+    assert "batch-invariant mode (--batch-invariant, VLLM_BATCH_INVARIANT=1) does not run on vLLM's CPU platform" in started.stdout + started.stderr
+    assert "EPD_READY" not in started.stdout
