@@ -325,7 +325,7 @@ async def _send(
     import grpc
 
     from epd.server import CLIENT_OPTIONS
-    from epd.v1 import encoder_pb2, encoder_pb2_grpc, multimodal_pb2
+    from epd.v1 import encoder_pb2, encoder_pb2_grpc
 
     calls = [items[start : start + items_per_call] for start in range(0, len(items), items_per_call)]
     slots = asyncio.Semaphore(concurrency or len(calls))
@@ -336,13 +336,7 @@ async def _send(
         async def one(index: int, call: Sequence[Item]) -> list[tuple[int, int]]:
             # Bytes of their own per pass, so that the content hash (the key of vLLM's encoder
             # cache and of EPD's, recomputed by the encoder) is new while the pixels are not.
-            request = encoder_pb2.EncodeRequest(
-                request_id=f"bench-{salt}-{index}",
-                items=[
-                    multimodal_pb2.MediaItem(**{item.modality: multimodal_pb2.Media(data=salt_media(item.data, item.mime_type, f"{salt}-{index}"), mime_type=item.mime_type)})
-                    for item in call
-                ],
-            )
+            request = encoder_pb2.EncodeRequest(request_id=f"bench-{salt}-{index}", items=[_media_item(item, f"{salt}-{index}") for item in call])
             async with slots:
                 response = await stub.Encode(request, timeout=_CALL_TIMEOUT_S)
                 done.append(time.perf_counter())
@@ -354,6 +348,17 @@ async def _send(
         started = time.perf_counter()
         shapes = await asyncio.gather(*(one(index, call) for index, call in enumerate(calls)))
     return max(done) - started, [shape for call in shapes for shape in call]
+
+
+def _media_item(item: Item, salt: str):
+    from epd.v1 import multimodal_pb2
+
+    media = multimodal_pb2.Media(data=salt_media(item.data, item.mime_type, salt), mime_type=item.mime_type)
+    if item.modality == "image":
+        return multimodal_pb2.MediaItem(image=media)
+    if item.modality == "video":
+        return multimodal_pb2.MediaItem(video=multimodal_pb2.Video(file=media))
+    return multimodal_pb2.MediaItem(audio=multimodal_pb2.Audio(file=media))
 
 
 def _leases_after_drain(metrics_port: int) -> float:

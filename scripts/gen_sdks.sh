@@ -123,7 +123,10 @@ step "generated in ${SECONDS}s"
 
 # --- checks -------------------------------------------------------------------------------
 step "python: install the epd-client wheel into $TOOLS, import it without torch or vLLM, mypy --strict clients/python/usage.py"
-"$TOOLS/bin/python" -m pip install --disable-pip-version-check -qq --force-reinstall --no-deps "sdk/dist/epd_client-$VERSION-py3-none-any.whl"
+wheel="sdk/dist/epd_client-$VERSION-py3-none-any.whl"
+# This build over any earlier one of the same version, then what it depends on.
+"$TOOLS/bin/python" -m pip install --disable-pip-version-check -qq --force-reinstall --no-deps "$wheel"
+"$TOOLS/bin/python" -m pip install --disable-pip-version-check -qq "$wheel"
 # From /tmp, so that `epd` cannot resolve to this checkout's own package.
 (cd /tmp && VERSION=$VERSION "$ROOT/$TOOLS/bin/python" - <<'EOF'
 import importlib.metadata

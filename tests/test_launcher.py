@@ -25,22 +25,28 @@ _STARTUP_S = 300
 _GONE_S = 60
 
 
-def _loads_an_engine(process: psutil.Process) -> bool:
-    """Whether ``process`` or a child of it has vLLM's native ops mapped: an engine is loading
-    there (the service's own thread, or vLLM's engine-core process)."""
-    for candidate in (process, *process.children(recursive=True)):
-        with contextlib.suppress(psutil.Error, OSError):
-            if "/vllm/_C" in pathlib.Path(f"/proc/{candidate.pid}/maps").read_text():
-                return True
+def _maps_vllm_ops(process: psutil.Process) -> bool:
+    """Whether ``process`` has vLLM's native ops mapped: it is loading or running an engine."""
+    with contextlib.suppress(psutil.Error, OSError):
+        return "/vllm/_C" in pathlib.Path(f"/proc/{process.pid}/maps").read_text()
     return False
 
 
-def _wait_for_engine_loading(service_pid: int, log: pathlib.Path) -> None:
+def _loads_an_engine(process: psutil.Process, *, in_child: bool = False) -> bool:
+    """Whether ``process``'s engine is loading: in the process itself (the engine core on a
+    thread), or with ``in_child`` in vLLM's engine-core process under it (the service maps vLLM's
+    ops before it spawns that process)."""
+    with contextlib.suppress(psutil.Error):
+        return any(map(_maps_vllm_ops, process.children(recursive=True) if in_child else [process]))
+    return False
+
+
+def _wait_for_engine_loading(service_pid: int, log: pathlib.Path, *, in_child: bool) -> None:
     """Until the service is loading its vLLM engine (the moment a launcher's death once left engine
     processes behind)."""
     deadline = time.monotonic() + _STARTUP_S
     service = psutil.Process(service_pid)
-    while not _loads_an_engine(service):
+    while not _loads_an_engine(service, in_child=in_child):
         assert service.status() != psutil.STATUS_ZOMBIE, f"the service exited before it loaded its engine; its log:\n{log.read_text()[-3000:]}"
         assert time.monotonic() < deadline, "the service loaded no engine"
         time.sleep(0.5)
@@ -95,7 +101,7 @@ def test_services_stop_when_their_launcher_is_killed(tmp_path, engine_core):
     stops itself and takes its engine with it (vLLM's engine-core process too, in that placement)."""
     args = ["prefill", "--model", str(checkpoint("qwen2_5_vl")), "--engine-core", engine_core]
     with _killable_launcher(tmp_path, "prefill", args) as (launcher, service_pid):
-        _wait_for_engine_loading(service_pid, tmp_path / "prefill.log")
+        _wait_for_engine_loading(service_pid, tmp_path / "prefill.log", in_child=engine_core == "process")
         launcher.kill()
         launcher.wait()
         _assert_groups_end({service_pid})
