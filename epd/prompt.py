@@ -7,12 +7,17 @@ token ids its prefill rendered. The gateway sends the chat with a marker where e
 and needs no tokenizer. vLLM's processor in each engine expands the placeholders. The encoder
 renders a prompt of just its items, so its engine finds one placeholder per item.
 
-User text is tokenized as plain text: a ``<|im_start|>`` typed by a user becomes the tokens
-of those characters, never the control token, so no one can forge a turn or a system prompt.
-The template's own markup keeps its special tokens. To tell the two apart, each text part is
-rendered as a sentinel (private-use characters no tokenizer merges across) and tokenized on
-its own with ``split_special_tokens``. Templates that rewrite message text (say, strip it) see
-the sentinel instead; the Qwen-style templates insert text verbatim.
+A chat renders to exactly the ids vLLM's chat path (``LLM.chat``, ``vllm serve``) gives it: the
+template applied to the real text, its output tokenized in one piece, so a template that
+rewrites text (Gemma 3 trims it) and a tokenizer that merges across a text's edges give vLLM's
+ids. With one exception, on purpose: user text is never control tokens. A ``<|im_start|>``
+typed by a user would be the control token in vLLM's ids, letting anyone forge a turn or a
+system prompt; so the special tokens of that one-piece tokenization must be exactly those of
+the template's own markup (the same chat rendered with a sentinel, private-use characters no
+tokenizer merges across, in place of each text part). When they are not, each text part is
+tokenized on its own with ``split_special_tokens`` between the markup's pieces: the typed
+``<|im_start|>`` becomes the tokens of its characters (and a template that rewrites text sees
+the sentinel there: such a chat is the one that differs from vLLM's).
 
 Tokenizing is serialized per renderer: a fast tokenizer's ``encode`` sets
 ``split_special_tokens`` on the one Rust tokenizer every thread shares, so two renders at once
@@ -41,6 +46,8 @@ class PromptRenderer:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        # The control tokens: what split_special_tokens keeps a text part from becoming.
+        self._special_ids = frozenset(self.tokenizer.all_special_ids) | {i for i, token in self.tokenizer.added_tokens_decoder.items() if token.special}
         self._tokenizing = threading.Lock()  # see the module docstring
         self.max_prompt_tokens = max_prompt_tokens
 
@@ -58,24 +65,42 @@ class PromptRenderer:
         """
         texts: list[str] = []
 
-        def content(part) -> dict:
-            if isinstance(part, TextPart):
-                texts.append(part.text)
-                return {"type": "text", "text": _SENTINEL.format(len(texts) - 1)}
-            return {"type": part.modality.value}
+        def conversation(text_part) -> list[dict]:
+            def content(part) -> dict:
+                return text_part(part) if isinstance(part, TextPart) else {"type": part.modality.value}
 
-        conversation = [{"role": message.role.value, "content": [content(part) for part in message.parts]} for message in messages]
-        template = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
-        ids: list[int] = []
+            return [{"role": message.role.value, "content": [content(part) for part in message.parts]} for message in messages]
+
+        def sentinel(part: TextPart) -> dict:
+            texts.append(part.text)
+            return {"type": "text", "text": _SENTINEL.format(len(texts) - 1)}
+
+        rendered = self._template(conversation(lambda part: {"type": "text", "text": part.text}))
+        markup = self._template(conversation(sentinel))
         with self._tokenizing:
-            # re.split alternates template markup and the captured text-part indices.
-            for position, segment in enumerate(_SENTINELS.split(template)):
-                if position % 2:
-                    ids += self.tokenizer.encode(texts[int(segment)], add_special_tokens=False, split_special_tokens=True)
-                elif segment:
-                    ids += self.tokenizer.encode(segment, add_special_tokens=False)
+            ids = self.tokenizer.encode(rendered, add_special_tokens=False)  # vLLM's ids
+            if self._specials(ids) != self._specials(self.tokenizer.encode(markup, add_special_tokens=False)):
+                ids = self._with_text_as_text(markup, texts)  # a text part holds control tokens
         if self.max_prompt_tokens and len(ids) > self.max_prompt_tokens:
             raise InvalidArgument.for_field(field, f"render to {len(ids)} prompt tokens before any media, over the model's context of {self.max_prompt_tokens}")
+        return ids
+
+    def _template(self, conversation: list[dict]) -> str:
+        return self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+
+    def _specials(self, ids: list[int]) -> list[int]:
+        return [i for i in ids if i in self._special_ids]
+
+    def _with_text_as_text(self, markup: str, texts: list[str]) -> list[int]:
+        """The markup's pieces tokenized as markup, each text part as plain text (call under
+        ``_tokenizing``)."""
+        ids: list[int] = []
+        # re.split alternates template markup and the captured text-part indices.
+        for position, segment in enumerate(_SENTINELS.split(markup)):
+            if position % 2:
+                ids += self.tokenizer.encode(texts[int(segment)], add_special_tokens=False, split_special_tokens=True)
+            elif segment:
+                ids += self.tokenizer.encode(segment, add_special_tokens=False)
         return ids
 
     def render_items(self, modalities: Sequence[Modality]) -> list[int]:
