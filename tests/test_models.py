@@ -2,11 +2,10 @@
 thinkers and NVIDIA's Audio Flamingo 3. Greedy tokens equal the monolithic vLLM run of the same
 request in E/P/D and E+PD.
 
-Where vLLM declares a metadata-only layout (every modality of Qwen2.5-Omni, Qwen3-Omni audio,
-Audio Flamingo 3 audio) no media reaches prefill or decode. Where it declares none (Qwen3-Omni
-image and video), the encoder says so in the metadata and the gateway forwards the media, which
-the stages lay out themselves while the embedding still comes from the encoder: the declared
-fallback, tested here too.
+Every modality of these is metadata-only: no media reaches prefill or decode. vLLM declares the
+layout of Qwen2.5-Omni's, Qwen3-Omni's audio and Audio Flamingo 3's; EPD declares what vLLM 0.32
+leaves out (Qwen2.5-Omni's ``second_per_grid_ts``, Qwen3-Omni's image and video:
+``epd/compat/``), and the recording proxy proves it for both Omni thinkers.
 
 Qwen2.5-Omni runs on one stack, in bfloat16 (the deployment dtype, where rounding makes identity
 hardest): its audio, image, video and audio-plus-image equivalence is ``test_bf16.py``'s, and its
@@ -42,8 +41,9 @@ def _tone(seconds: float, seed: int) -> tuple[bytes, str]:
 CASES = {
     "qwen3_omni_moe": {
         "audio": lambda: [_tone(1.5, 6), "What do you hear?"],
-        "image_with_media_forwarded": lambda: [_image(7), "What do you see?"],
-        "audio_and_video_with_media_forwarded": lambda: [_tone(0.9, 8), _clip(9), "Describe both."],
+        "image": lambda: [_image(7), "What do you see?"],
+        "audio_and_video": lambda: [_tone(0.9, 8), _clip(9), "Describe both."],
+        "audio_image_and_video": lambda: [_tone(0.7, 17), "Then:", _image(18), _clip(19), "All three?"],
     },
     "audioflamingo3": {
         "audio": lambda: [_tone(2.0, 10), "Transcribe."],
@@ -61,27 +61,30 @@ async def test_greedy_tokens_match_monolithic(family_stack, family, case, mode):
 
 
 @pytest.mark.parametrize("family", ["qwen3_omni_moe"])
-async def test_the_encoder_says_which_modalities_need_their_media(family_stack, family):
-    """vLLM 0.32 declares a metadata-only layout for Qwen3-Omni audio but not for its image: the
-    encoder reports exactly that, from vLLM's declaration."""
+async def test_the_encoder_lays_out_every_qwen3_omni_modality_metadata_only(family_stack, family):
+    """vLLM 0.32 declares a metadata-only layout for Qwen3-Omni audio only; with EPD's declaration
+    of its image and video (epd/compat/vllm_qwen3_omni_vision.py) no item needs its media."""
     items = [
         multimodal_pb2.MediaItem(audio=multimodal_pb2.Audio(file=multimodal_pb2.Media(data=_tone(1.0, 13)[0], mime_type="audio/wav"))),
         multimodal_pb2.MediaItem(image=multimodal_pb2.Media(data=_image(14)[0], mime_type="image/png")),
+        multimodal_pb2.MediaItem(video=multimodal_pb2.Video(file=multimodal_pb2.Media(data=_clip(20)[0], mime_type="video/mp4"))),
     ]
     async with grpc.aio.insecure_channel(family_stack.encoder.address) as channel:
         stub = encoder_pb2_grpc.EncoderServiceStub(channel)
         response = await stub.Encode(encoder_pb2.EncodeRequest(items=items), timeout=60)
         await stub.ReleaseEmbeddings(encoder_pb2.ReleaseEmbeddingsRequest(lease_ids=[i.embedding.nixl.lease_id for i in response.items]))
-    audio, image = (item.metadata for item in response.items)
+    audio, image, video = (item.metadata for item in response.items)
     assert not audio.layout_needs_media and audio.audio_feature_length > 0
-    assert image.layout_needs_media and image.placeholder_count > 0
+    assert not image.layout_needs_media and image.grid_thw.h > 0
+    assert not video.layout_needs_media and video.grid_thw.t > 0 and video.second_per_grid_ts > 0
+    assert list(video.engine_fields["use_audio_in_video"].int_values) == [0]  # the thinker reads it from every video
 
 
-@pytest.mark.parametrize("family", [stack_key("qwen2_5_omni", BF16)])
+@pytest.mark.parametrize("family", [stack_key("qwen2_5_omni", BF16), "qwen3_omni_moe"])
 async def test_omni_metadata_only_path_carries_no_media(family_stack, family):
     """Audio, image and video of an Omni thinker reach decode as metadata only."""
-    tone, png = _tone(1.0, 15), _image(16)
-    request = chat_request([tone, png, "Both?"], max_tokens=16, min_tokens=MIN_TOKENS)
+    tone, png, clip = _tone(1.0, 15), _image(16), _clip(21)
+    request = chat_request([tone, png, clip, "All three?"], max_tokens=16, min_tokens=MIN_TOKENS)
     oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=180)
     from cli.launcher import gateway_args
 
@@ -95,8 +98,9 @@ async def test_omni_metadata_only_path_carries_no_media(family_stack, family):
         await tap.stop()
     assert result.token_ids == oracle.token_ids
     (body,) = tap.requests_for("/Decode")
-    assert tone[0][:64] not in body and png[0][:64] not in body
-    audio, image = decode_pb2.DecodeRequest.FromString(body).items
+    assert all(media[0][:64] not in body for media in (tone, png, clip))
+    audio, image, video = decode_pb2.DecodeRequest.FromString(body).items
     assert audio.metadata.audio_feature_length > 0 and not audio.HasField("forwarded_media")
     assert image.metadata.grid_thw.h > 0 and not image.HasField("forwarded_media")
+    assert video.metadata.grid_thw.t > 0 and not video.HasField("forwarded_media")
     assert await wait_for_metric(s.encoder.metrics_port, "epd_arena_leases", 0.0) == 0.0

@@ -33,18 +33,18 @@ def install() -> None:
     from vllm.multimodal.parse import DictEmbeddingItems
 
     def parse_video_data(self, data):
-        """Qwen2-VL's parsing, with a place for the field in metadata-only items."""
+        """Qwen2-VL's parsing, with a place in metadata-only items for every declared field
+        Qwen2-VL's lacks (this one; a subclass's own, see :mod:`.vllm_qwen3_omni_vision`)."""
         if not isinstance(data, dict):
             return Qwen2VLMultiModalDataParser._parse_video_data(self, data)
         fields_of = _create_qwen2vl_field_factory(self._spatial_merge_size)
         required, optional = self.embedding_field_sets("video")
-        return DictEmbeddingItems(
-            data,
-            modality="video",
-            required_fields=required,
-            optional_fields=optional,
-            fields_factory=lambda hf_inputs: {**fields_of(hf_inputs), _FIELD: MultiModalFieldConfig.batched("video", keep_on_cpu=True)},
-        )
+
+        def fields_factory(hf_inputs):
+            per_item = {name: MultiModalFieldConfig.batched("video", keep_on_cpu=True) for name in required | optional}
+            return {**per_item, **fields_of(hf_inputs)}  # Qwen2-VL's own fields keep their configs
+
+        return DictEmbeddingItems(data, modality="video", required_fields=required, optional_fields=optional, fields_factory=fields_factory)
 
     def declaring(parser: type) -> dict:
         return {**parser.embedding_fields, "video": {**parser.embedding_fields["video"], _FIELD: "metadata"}}
