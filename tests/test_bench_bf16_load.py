@@ -29,3 +29,4 @@ def test_the_report_counts_streams_over_repeats():
     assert "| monolithic | 0 of 32 (0.0 %) | 0 of 32 | - |" in lines
     assert "| epd | 2 of 32 (6.2 %) | 2 of 32 | 40 / 40 |" in lines
     assert "| epd-combined | 1 of 32 (3.1 %) | 1 of 32 | 40 / 40 |" in lines
+    assert any("monolithic vLLM departs from its own alone run in 0 of 32 streams" in line and "E/P/D differs in 2 and E+PD in 1 of 32" in line for line in lines)
