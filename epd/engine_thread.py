@@ -26,6 +26,8 @@ import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from vllm.v1.engine.exceptions import EngineDeadError
+
 logger = logging.getLogger(__name__)
 
 _STOP = object()
@@ -70,8 +72,6 @@ class ThreadedEngineCore:
     def _submit(self, work: Callable[[], Any]) -> asyncio.Future:
         """Runs ``work`` on the engine thread between steps; its result comes back as a future."""
         self._bind_loop()
-        from vllm.v1.engine.exceptions import EngineDeadError
-
         if self.resources.engine_dead:
             raise EngineDeadError()
         future = self._loop.create_future()
@@ -171,8 +171,6 @@ class ThreadedEngineCore:
         self._die(RuntimeError("vLLM's executor failed"))
 
     def _die(self, cause: BaseException) -> None:
-        from vllm.v1.engine.exceptions import EngineDeadError
-
         self.resources.engine_dead = True
         if self._loop is not None:
             dead = EngineDeadError()
