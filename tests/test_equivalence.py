@@ -1,4 +1,6 @@
-"""The bar: disaggregated greedy tokens equal the monolithic vLLM run of the same request."""
+"""The bar: disaggregated greedy tokens equal the monolithic vLLM run of the same request, and
+that run equals vLLM's own chat path (``LLM.chat``, what ``vllm serve`` runs) given the same
+messages: EPD's rendering and media decoding are vLLM's, not a copy that shares its quirks."""
 
 from __future__ import annotations
 
@@ -8,9 +10,11 @@ import pytest
 
 from devkit.checkpoints import FAMILIES
 from devkit.media import synthetic_image_png
-from epd.client import chat_request, generate
-from tests.conftest import DISAGGREGATED_MODES
+from epd.client import chat_request, content_part, generate
+from epd.v1 import common_pb2, gateway_pb2
+from tests.conftest import DISAGGREGATED_MODES, checkpoint
 from tests.helpers import MIN_TOKENS, assert_matches_monolithic
+from tests.vllm_chat import chat_messages, run_llm_chat
 
 
 def _image(width: int, height: int, seed: int) -> tuple[bytes, str]:
@@ -22,6 +26,49 @@ CASES = {
     "two_images_of_different_sizes": lambda: [_image(160, 120, 1), _image(224, 112, 2), "Compare the two pictures."],
     "image_between_text": lambda: ["Look at this:", _image(140, 140, 3), "What is in it?"],
 }
+
+
+_ROLES = {"system": gateway_pb2.ROLE_SYSTEM, "user": gateway_pb2.ROLE_USER, "assistant": gateway_pb2.ROLE_ASSISTANT}
+# Chats whose rendering a template could get wrong: text with whitespace at both ends, several
+# text parts, items before, between and after text, a system message and earlier turns.
+CHATS = {
+    "one_image": lambda: [("user", CASES["one_image"]())],
+    "image_between_text": lambda: [("user", CASES["image_between_text"]())],
+    "whitespace_text_parts_and_items": lambda: [("user", [_image(112, 112, 4), "   First this,  ", _image(140, 112, 5), "\nthen that.\t", "  Compare.  "])],
+    "system_message_and_turns": lambda: [
+        ("system", ["  You answer in one word. "]),
+        ("user", ["Hi ", _image(112, 140, 6)]),
+        ("assistant", [" A picture.\n"]),
+        ("user", ["\nAnd now?  "]),
+    ],
+}
+CHAT_MAX_TOKENS = 24
+
+
+def _chat_request(messages: list[tuple[str, list]]) -> gateway_pb2.GenerateRequest:
+    return gateway_pb2.GenerateRequest(
+        messages=[gateway_pb2.ChatMessage(role=_ROLES[role], parts=[content_part(p) for p in parts]) for role, parts in messages],
+        sampling=common_pb2.SamplingParams(max_tokens=CHAT_MAX_TOKENS, temperature=0.0, min_tokens=MIN_TOKENS),
+    )
+
+
+@pytest.fixture(scope="module")
+def llm_chat(tmp_path_factory) -> dict[str, dict[str, dict]]:
+    """Every family's CHATS through vLLM's LLM.chat, one engine per family, in one process."""
+    chats = {name: {"messages": chat_messages(build()), "max_tokens": CHAT_MAX_TOKENS, "min_tokens": MIN_TOKENS} for name, build in CHATS.items()}
+    jobs = [{"model": str(checkpoint(family)), "dtype": "float32", "limit_mm_per_prompt": {"image": 3, "video": 0}, "chats": chats} for family in FAMILIES]
+    return run_llm_chat(jobs, tmp_path_factory.mktemp("llm-chat"))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("chat", list(CHATS))
+async def test_monolithic_equals_vllm_llm_chat(family_stack, family, chat, llm_chat):
+    """The oracle itself against vLLM's chat path: the same prompt ids and greedy tokens."""
+    expected = llm_chat[str(checkpoint(family))][chat]
+    result = await generate(family_stack.gateway_stub("monolithic"), _chat_request(CHATS[chat]()), timeout=180)
+    assert len(expected["token_ids"]) >= MIN_TOKENS
+    assert result.finished.usage.prompt_tokens == len(expected["prompt_token_ids"])
+    assert result.token_ids == expected["token_ids"]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
