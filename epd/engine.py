@@ -518,7 +518,8 @@ def kv_handoff_from_engine(params: dict[str, Any] | None) -> KvHandoff | None:
 
 
 def _cpu_kwargs(config: EngineConfig) -> dict[str, Any]:
-    """On CPU: the worker inside the engine-core process, and a KV cache of the configured size.
+    """On CPU: the worker inside the engine core (on its thread, or in its process), and a KV
+    cache of the configured size.
 
     vLLM's CPU platform otherwise spawns one more process per engine, which re-imports vLLM:
     about 13 s of start-up on a loaded 2-core host, for nothing, since we bind no OMP threads
@@ -530,7 +531,7 @@ def _cpu_kwargs(config: EngineConfig) -> dict[str, Any]:
 
     if not current_platform.is_cpu():
         return {}
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read in the engine core, which we still spawn
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # read where the engine core runs (the executor)
     return {"distributed_executor_backend": "uni", "kv_cache_memory_bytes": int(config.kv_cache_gib * 2**30)}
 
 
