@@ -21,9 +21,10 @@ Per start, from the service's own output (stdout lines are timestamped as they a
   (``mincore(2)``): which shards and how many bytes were actually read from disk;
 - ``phases``: where the time to ready goes, from the first line each phase ends with
   (``PHASES``): the service's imports and gRPC port, vLLM's import and config in the service,
-  the engine core's start (with ``--engine-core process`` it is a spawned process, which imports
-  vLLM again; on a thread, the default, it takes milliseconds), the engine core's set-up until it loads the model, the model load, vLLM's profiling, KV cache and
-  warm-up, and the service's work after the engine (arena counters, health flip to SERVING).
+  the engine core's start (with ``--engine-core process`` a spawned process, which imports vLLM
+  again; on a thread, the default, a fraction of a second), the engine core's set-up until it
+  loads the model, the model load, vLLM's profiling, KV cache and warm-up, and the service's work
+  after the engine (arena counters, health flip to SERVING).
 
 The page cache is set before every start: warm (every checkpoint file fully resident) and cold
 (every file written back and dropped with ``posix_fadvise(POSIX_FADV_DONTNEED)``, which needs no

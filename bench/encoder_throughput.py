@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import dataclasses
 import pathlib
 import random
 import shlex
@@ -40,6 +39,7 @@ from typing import Any
 from bench.common import RESULTS_DIR, command_line, progress, summarize, write_result
 from bench.formatting import fmt, machine
 from bench.workload import salt_media
+from epd.domain import MediaFile, MediaInput, Modality
 
 NAME = "encoder_throughput"
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -112,13 +112,14 @@ def run(
     root = checkpoint_root or DEFAULT_CHECKPOINT_ROOT
     model = ensure_tiny_checkpoint(FAMILY, root)
     images = build_images(num_items)
+    items = image_items(images)
     progress(f"{NAME}: {num_items} JPEGs of {IMAGE_EDGE_PX[0]}-{IMAGE_EDGE_PX[1]} px, {repeats} repeats, {model}")
     hf = measure_hf(model, images, repeats)
     progress(f"{NAME}: hf_tower {hf['items_per_s']['median']:.1f} items/s")
     with encoder_service(model) as encoder:
-        service = measure_encoder(encoder.address, encoder.metrics_port, image_items(images), repeats)
+        service = measure_encoder(encoder.address, encoder.metrics_port, items, repeats)
         progress(f"{NAME}: vllm_service {service['items_per_s']['median']:.1f} items/s, {service['mean_batch_items']:.1f} items per engine step")
-        grid = measure_sweep(encoder, image_items(images), repeats, *sweep)
+        grid = measure_sweep(encoder, items, repeats, *sweep)
         video = measure_encoder(encoder.address, encoder.metrics_port, build_videos(clips), repeats, concurrency=CLIP_CONCURRENCY)
         progress(f"{NAME}: video {video['items_per_s']['median']:.1f} clips/s")
     with encoder_service(ensure_tiny_checkpoint(AUDIO_FAMILY, root)) as encoder:
@@ -129,26 +130,29 @@ def run(
     return write_result(NAME, payload, command=command or command_line(), results_dir=results_dir)
 
 
-def build_videos(count: int, seed: int = SEED) -> list[Item]:
+def build_videos(count: int, seed: int = SEED) -> list[MediaInput]:
     """Seeded MP4 clips of ``VIDEO_SECONDS`` at ``VIDEO_FPS``, ``VIDEO_EDGE_PX`` square."""
     from devkit.media import synthetic_video
 
     frames = int(VIDEO_SECONDS * VIDEO_FPS)
-    return [Item("video", synthetic_video(VIDEO_EDGE_PX, VIDEO_EDGE_PX, frames, fps=VIDEO_FPS, seed=seed * 10_007 + index), "video/mp4") for index in range(count)]
+    return [
+        MediaInput(Modality.VIDEO, MediaFile(synthetic_video(VIDEO_EDGE_PX, VIDEO_EDGE_PX, frames, fps=VIDEO_FPS, seed=seed * 10_007 + index), "video/mp4"))
+        for index in range(count)
+    ]
 
 
-def build_audio(count: int, seed: int = SEED) -> list[Item]:
+def build_audio(count: int, seed: int = SEED) -> list[MediaInput]:
     """Seeded 16 kHz WAV clips of ``AUDIO_SECONDS`` (uniform)."""
     from devkit.media import sine_samples, wav_int16
 
     rng = random.Random(seed)
     return [
-        Item("audio", wav_int16(sine_samples(rng.uniform(*AUDIO_SECONDS), 16000, freq=rng.uniform(200, 800), seed=seed * 10_007 + index), 16000), "audio/wav")
+        MediaInput(Modality.AUDIO, MediaFile(wav_int16(sine_samples(rng.uniform(*AUDIO_SECONDS), 16000, freq=rng.uniform(200, 800), seed=seed * 10_007 + index), 16000), "audio/wav"))
         for index in range(count)
     ]
 
 
-def measure_sweep(encoder, items: Sequence[Item], repeats: int, concurrency: Sequence[int], items_per_call: Sequence[int]) -> list[dict[str, Any]]:
+def measure_sweep(encoder, items: Sequence[MediaInput], repeats: int, concurrency: Sequence[int], items_per_call: Sequence[int]) -> list[dict[str, Any]]:
     """The service's items/s for every pair of concurrent calls and items per call."""
     grid = []
     for calls in concurrency:
@@ -215,7 +219,6 @@ def measure_hf(model_dir: pathlib.Path, images: Sequence[bytes], repeats: int) -
     import torch
     from transformers import AutoImageProcessor, Qwen2_5_VLForConditionalGeneration
 
-    from epd.domain import MediaFile, MediaInput, Modality
     from epd.media import MediaLimits
     from epd.media.decode import MediaDecoder
 
@@ -272,27 +275,18 @@ def encoder_service(model_dir: pathlib.Path) -> Iterator[Any]:
         stack.stop()
 
 
-@dataclasses.dataclass(frozen=True)
-class Item:
-    """One media item as a client sends it."""
-
-    modality: str  # the MediaItem field: image, video or audio
-    data: bytes
-    mime_type: str
-
-
-def image_items(images: Sequence[bytes]) -> list[Item]:
-    return [Item("image", data, "image/jpeg") for data in images]
+def image_items(images: Sequence[bytes]) -> list[MediaInput]:
+    return [MediaInput(Modality.IMAGE, MediaFile(data, "image/jpeg")) for data in images]
 
 
 def measure_encoder(
-    address: str, metrics_port: int, items: Sequence[Item], repeats: int, *, concurrency: int | None = None, items_per_call: int = 1
+    address: str, metrics_port: int, items: Sequence[MediaInput], repeats: int, *, concurrency: int | None = None, items_per_call: int = 1
 ) -> dict[str, Any]:
     """Items/s of a running encoder service: ``items`` in Encode calls of ``items_per_call``, at
     most ``concurrency`` calls in flight (None: every call at once, saturation)."""
     from epd.telemetry import scrape
 
-    modality = items[0].modality
+    modality = items[0].modality.value
     counters = [f"{name}{{modality={modality}}}" for name in _COUNTERS]
     asyncio.run(_send(address, items[:2], salt="warm-up"))
     passes = []
@@ -317,7 +311,7 @@ _COUNTERS = ("epd_encoder_batches", "epd_encoder_batch_items", "epd_encoder_seco
 
 
 async def _send(
-    address: str, items: Sequence[Item], *, salt: str, concurrency: int | None = None, items_per_call: int = 1
+    address: str, items: Sequence[MediaInput], *, salt: str, concurrency: int | None = None, items_per_call: int = 1
 ) -> tuple[float, list[tuple[int, int]]]:
     """Sends the items in Encode calls of ``items_per_call``, at most ``concurrency`` in flight;
     returns the seconds from the first send to the last response, and each item's embedding
@@ -326,6 +320,7 @@ async def _send(
 
     from epd.server import CLIENT_OPTIONS
     from epd.v1 import encoder_pb2, encoder_pb2_grpc
+    from epd.wire import encode_request_to_wire
 
     calls = [items[start : start + items_per_call] for start in range(0, len(items), items_per_call)]
     slots = asyncio.Semaphore(concurrency or len(calls))
@@ -333,10 +328,11 @@ async def _send(
         stub = encoder_pb2_grpc.EncoderServiceStub(channel)
         done: list[float] = []
 
-        async def one(index: int, call: Sequence[Item]) -> list[tuple[int, int]]:
+        async def one(index: int, call: Sequence[MediaInput]) -> list[tuple[int, int]]:
             # Bytes of their own per pass, so that the content hash (the key of vLLM's encoder
             # cache and of EPD's, recomputed by the encoder) is new while the pixels are not.
-            request = encoder_pb2.EncodeRequest(request_id=f"bench-{salt}-{index}", items=[_media_item(item, f"{salt}-{index}") for item in call])
+            salted = [MediaInput(item.modality, MediaFile(salt_media(item.source.data, item.source.mime_type, f"{salt}-{index}"), item.source.mime_type)) for item in call]
+            request = encode_request_to_wire(f"bench-{salt}-{index}", salted, release_key="")
             async with slots:
                 response = await stub.Encode(request, timeout=_CALL_TIMEOUT_S)
                 done.append(time.perf_counter())
@@ -348,17 +344,6 @@ async def _send(
         started = time.perf_counter()
         shapes = await asyncio.gather(*(one(index, call) for index, call in enumerate(calls)))
     return max(done) - started, [shape for call in shapes for shape in call]
-
-
-def _media_item(item: Item, salt: str):
-    from epd.v1 import multimodal_pb2
-
-    media = multimodal_pb2.Media(data=salt_media(item.data, item.mime_type, salt), mime_type=item.mime_type)
-    if item.modality == "image":
-        return multimodal_pb2.MediaItem(image=media)
-    if item.modality == "video":
-        return multimodal_pb2.MediaItem(video=multimodal_pb2.Video(file=media))
-    return multimodal_pb2.MediaItem(audio=multimodal_pb2.Audio(file=media))
 
 
 def _leases_after_drain(metrics_port: int) -> float:

@@ -44,50 +44,21 @@ def module_file(directory: pathlib.Path) -> dict:
 
 
 def vendor(directory: pathlib.Path) -> None:
+    """Writes ``directory/vendor``: links to every package the module imports, and ``modules.txt``."""
     directory = directory.resolve()
     out = directory / "vendor"
     shutil.rmtree(out, ignore_errors=True)
     spec = module_file(directory)
-    roots = debian_modules()
-    versions = {}  # module path -> the version modules.txt records
-    for requirement in spec.get("Require") or ():
-        versions[requirement["Path"]] = requirement["Version"]
-    local, written = {}, {}  # replaced by a local directory: where it is, and as go.mod says it
-    for replace in spec.get("Replace") or ():
-        target = replace["New"]["Path"]
-        if target.startswith("."):
-            local[replace["Old"]["Path"]] = (directory / target).resolve()
-            written[replace["Old"]["Path"]] = target
-    roots.update(local)
-    # The packages the module imports, found in GOPATH mode over a tree that places each module
-    # at its path: the same sources the vendored build will compile.
-    own = sorted(  # the module's packages by import path
-        f"{spec['Module']['Path']}/{d.relative_to(directory)}".rstrip("/.")
-        for d in {f.parent for f in directory.rglob("*.go")}
-        if not {"vendor", "testdata"} & set(d.relative_to(directory).parts)
-    )
-    with tempfile.TemporaryDirectory(prefix="epd-go-list-") as gopath:
-        for path, source in {spec["Module"]["Path"]: directory, **local}.items():
-            _mirror(source, pathlib.Path(gopath, "src", path))
-        env = dict(os.environ, GO111MODULE="off", GOPROXY="off", GOFLAGS="", GOPATH=f"{gopath}:{GOCODE.parent}")
-        listed = subprocess.run(["go", "list", "-deps", "-f", "{{if not .Standard}}{{.ImportPath}}{{end}}", *own], env=env, check=True, capture_output=True, text=True)
-    packages: dict[str, list[str]] = {}
-    for package in filter(None, listed.stdout.split()):
-        if package == spec["Module"]["Path"] or package.startswith(spec["Module"]["Path"] + "/"):
-            continue
-        module = max((m for m in roots if package == m or package.startswith(m + "/")), key=len, default=None)
-        if module is None:
-            raise SystemExit(f"{package}: no module in {GOCODE} or the go.mod's local replacements provides it")
-        packages.setdefault(module, []).append(package)
+    versions = {requirement["Path"]: requirement["Version"] for requirement in spec.get("Require") or ()}
+    # Modules the go.mod replaces with a local directory, as it writes the directory.
+    replaced = {r["Old"]["Path"]: r["New"]["Path"] for r in spec.get("Replace") or () if r["New"]["Path"].startswith(".")}
+    roots = {**debian_modules(), **{module: (directory / path).resolve() for module, path in replaced.items()}}
     lines = []
-    for module in sorted(packages):
-        version = versions.get(module, "v0.0.0")  # an indirect dependency: go checks no version
-        replaced = f" => {written[module]}" if module in local else ""
-        lines.append(f"# {module} {version}{replaced}")
+    for module, packages in sorted(_imported_packages(directory, spec["Module"]["Path"], roots, replaced).items()):
+        lines.append(f"# {module} {versions.get(module, 'v0.0.0')}" + (f" => {replaced[module]}" if module in replaced else ""))  # go checks no indirect version
         # The language version the module's sources are compiled at is its go.mod's.
-        go = _go_version(roots[module])
-        lines.append("; ".join(["## explicit"] * (module in versions) + [f"go {go}"] * bool(go)))
-        for package in sorted(packages[module]):
+        lines.append("; ".join(["## explicit"] * (module in versions) + [f"go {_go_version(roots[module])}"]))
+        for package in sorted(packages):
             lines.append(package)
             target = out / package
             target.mkdir(parents=True, exist_ok=True)
@@ -95,11 +66,34 @@ def vendor(directory: pathlib.Path) -> None:
             for file in source.iterdir():  # the package's files only; its subpackages are their own entries
                 if file.is_file():
                     (target / file.name).symlink_to(file)
-    for module in sorted(set(local) - set(packages)):
-        lines += [f"# {module} {versions[module]} => {written[module]}", "## explicit"]
-    lines += [f"# {module} => {written[module]}" for module in sorted(local)]  # go.mod replaces every version
-    lines = [line for line in lines if line]
+    lines += [f"# {module} => {path}" for module, path in sorted(replaced.items())]  # go.mod replaces every version
+    out.mkdir(exist_ok=True)
     (out / "modules.txt").write_text("\n".join(lines) + "\n")
+
+
+def _imported_packages(directory: pathlib.Path, own_path: str, roots: dict[str, pathlib.Path], replaced: dict[str, str]) -> dict[str, list[str]]:
+    """Module -> the packages of it the module at ``directory`` imports, directly or not, found in
+    GOPATH mode over a tree that places each module at its path: the sources the vendored build
+    will compile."""
+    own = sorted(  # the module's packages by import path
+        "/".join((own_path, *d.relative_to(directory).parts))
+        for d in {f.parent for f in directory.rglob("*.go")}
+        if not {"vendor", "testdata"} & set(d.relative_to(directory).parts)
+    )
+    with tempfile.TemporaryDirectory(prefix="epd-go-list-") as gopath:
+        for path in (own_path, *replaced):
+            _mirror(roots.get(path, directory), pathlib.Path(gopath, "src", path))
+        env = dict(os.environ, GO111MODULE="off", GOPROXY="off", GOFLAGS="", GOPATH=f"{gopath}:{GOCODE.parent}")
+        listed = subprocess.run(["go", "list", "-deps", "-f", "{{if not .Standard}}{{.ImportPath}}{{end}}", *own], env=env, check=True, capture_output=True, text=True)
+    packages: dict[str, list[str]] = {}
+    for package in listed.stdout.split():
+        if package == own_path or package.startswith(own_path + "/"):
+            continue
+        module = max((m for m in roots if package == m or package.startswith(m + "/")), key=len, default=None)
+        if module is None:
+            raise SystemExit(f"{package}: no module in {GOCODE} or the go.mod's local replacements provides it")
+        packages.setdefault(module, []).append(package)
+    return packages
 
 
 def _mirror(source: pathlib.Path, target: pathlib.Path) -> None:
@@ -112,9 +106,9 @@ def _mirror(source: pathlib.Path, target: pathlib.Path) -> None:
             (target / relative).symlink_to(file)
 
 
-def _go_version(source: pathlib.Path) -> str | None:
+def _go_version(source: pathlib.Path) -> str:
     match = re.search(r"^go\s+(\S+)", (source / "go.mod").read_text(), re.MULTILINE)
-    return match.group(1) if match else None
+    return match.group(1) if match else "1.16"  # what Go assumes for a go.mod without the directive
 
 
 OFFLINE = {"GOPROXY": "off", "GOFLAGS": "-mod=vendor", "GO111MODULE": "on"}

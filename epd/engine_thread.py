@@ -121,10 +121,9 @@ class ThreadedEngineCore:
         core = self._core
         try:
             while not self.resources.engine_dead:  # the executor's failure callback may end it
-                busy = core.scheduler.has_requests() or bool(core.batch_queue)
-                if not self._take_inputs(block=not busy):
+                if not self._take_inputs(block=not _has_work(core)):
                     return
-                if not (core.scheduler.has_requests() or core.batch_queue):
+                if not _has_work(core):
                     continue
                 outputs, model_executed = core.step_fn()
                 core.post_step(model_executed)
@@ -183,6 +182,11 @@ class ThreadedEngineCore:
                     return
                 if item is not _STOP:
                     self._settle(item[1], EngineDeadError(), failed=True)
+
+
+def _has_work(core) -> bool:
+    """Whether the core has a step to take (vLLM's ``EngineCoreProc.has_work``, less data parallelism)."""
+    return core.scheduler.has_requests() or bool(core.batch_queue)
 
 
 @contextlib.contextmanager

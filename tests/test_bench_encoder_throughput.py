@@ -15,6 +15,7 @@ import pytest
 from bench import encoder_throughput
 from bench.common import write_result
 from bench.report import write_report
+from epd.domain import Modality
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -82,9 +83,9 @@ def test_clips_are_seeded_mp4_and_wav_of_the_configured_lengths() -> None:
     import soundfile
 
     videos, audio = encoder_throughput.build_videos(2), encoder_throughput.build_audio(3)
-    assert [v.data for v in videos] == [v.data for v in encoder_throughput.build_videos(2)] and videos[0].data != videos[1].data
-    assert all(v.modality == "video" and v.mime_type == "video/mp4" and v.data[4:8] == b"ftyp" for v in videos)
+    assert [v.source.data for v in videos] == [v.source.data for v in encoder_throughput.build_videos(2)] and videos[0].source.data != videos[1].source.data
+    assert all(v.modality is Modality.VIDEO and v.source.mime_type == "video/mp4" and v.source.data[4:8] == b"ftyp" for v in videos)
     low, high = encoder_throughput.AUDIO_SECONDS
     for clip in audio:
-        samples, rate = soundfile.read(io.BytesIO(clip.data))
-        assert clip.modality == "audio" and rate == 16000 and low <= len(samples) / rate <= high
+        samples, rate = soundfile.read(io.BytesIO(clip.source.data))
+        assert clip.modality is Modality.AUDIO and rate == 16000 and low <= len(samples) / rate <= high
