@@ -8,7 +8,6 @@ arrived over the network.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import re
 import struct
@@ -25,6 +24,7 @@ TAG_BYTES = 32
 _TAG_CONTEXT = b"epd-nixl-location-v2"
 _DESCRIPTORS_VERSION = 1
 _DESCRIPTOR_ROW = struct.Struct("<QQI")  # address, length, device id
+_PART_LENGTH = struct.Struct("<I")
 
 
 def location_tag(key: bytes, location: NixlLocation) -> bytes:
@@ -34,11 +34,17 @@ def location_tag(key: bytes, location: NixlLocation) -> bytes:
     ``encoder_address`` is left out on purpose: the key is only ever fetched from that address,
     so a location pointing elsewhere cannot verify under the real encoder's key anyway.
     """
-    message = bytearray(_TAG_CONTEXT)
-    fields = (location.agent_name, location.lease_id, location.descriptors, location.nbytes, location.expires_at_unix_ms, location.slot_generation)
-    for part in (field if isinstance(field, bytes) else str(field).encode() for field in fields):
-        message += struct.pack("<I", len(part)) + part
-    return hmac.new(key, bytes(message), hashlib.sha256).digest()
+    parts = (
+        location.agent_name.encode(),
+        location.lease_id.encode(),
+        location.descriptors,
+        b"%d" % location.nbytes,
+        b"%d" % location.expires_at_unix_ms,
+        b"%d" % location.slot_generation,
+    )
+    message = _TAG_CONTEXT + b"".join(_PART_LENGTH.pack(len(part)) + part for part in parts)
+    # One-shot C HMAC: a consumer computes one per READ, on its engine's scheduler thread.
+    return hmac.digest(key, message, "sha256")
 
 
 def tag_matches(location: NixlLocation, key: bytes) -> bool:
