@@ -1,12 +1,12 @@
 """Tiny random-weight multimodal checkpoints (Qwen-VL, Qwen2-Audio, Qwen Omni thinkers, Audio
-Flamingo 3), built offline and deterministically.
+Flamingo 3, LLaVA-NeXT), built offline and deterministically.
 
 No vision- or audio-language weights can be downloaded here, so tests, benchmarks and the
 demo run on checkpoints that this module builds from a seed: a byte-level BPE tokenizer
 trained on a made-up corpus, Hugging Face configs for the model, tokenizer and processors, and
 random float32 weights in sharded safetensors. The result loads in transformers and in vLLM
-exactly like a real Qwen2.5-VL, Qwen3-VL, Qwen2-Audio, Qwen2.5-Omni, Qwen3-Omni (MoE) or Audio
-Flamingo 3 checkpoint, only a few MB large. The Omni checkpoints hold the thinker only (image,
+exactly like a real Qwen2.5-VL, Qwen3-VL, Qwen2-Audio, Qwen2.5-Omni, Qwen3-Omni (MoE), Audio
+Flamingo 3 or LLaVA-NeXT checkpoint, only a few MB large. The Omni checkpoints hold the thinker only (image,
 video and audio in, text out; ``enable_audio_output`` false), which is all vLLM serves of them.
 
 Layout of a built checkpoint::
@@ -16,7 +16,7 @@ Layout of a built checkpoint::
     tokenizer.json, tokenizer_config.json
     chat_template.jinja                 read by both AutoTokenizer and AutoProcessor
     preprocessor_config.json            image processor and/or Whisper feature extractor
-    video_preprocessor_config.json      video processor (vision and Omni families only)
+    video_preprocessor_config.json      video processor (Qwen vision and Omni families only)
     processor_config.json               processor class
     spk_dict.pt                         Qwen2.5-Omni only: no talker voices (an empty dict)
     model-00001-of-00003.safetensors    the tower only (vision and/or audio tower + projector)
@@ -53,7 +53,7 @@ import pathlib
 import random
 import shutil
 import tempfile
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -67,8 +67,9 @@ FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "qwen3_vl")
 AUDIO_FAMILIES: tuple[str, ...] = ("qwen2_audio",)
 # Qwen Omni thinkers (text out only): a vision tower and an audio tower in front of one LM.
 OMNI_FAMILIES: tuple[str, ...] = ("qwen2_5_omni", "qwen3_omni_moe")
-# Families from outside Qwen: NVIDIA's Audio Flamingo 3 (Whisper-style tower, Qwen2 LM).
-NON_QWEN_FAMILIES: tuple[str, ...] = ("audioflamingo3",)
+# Families from outside Qwen: NVIDIA's Audio Flamingo 3 (Whisper-style tower, Qwen2 LM) and
+# LLaVA-NeXT (a CLIP tower over "anyres" tiles, a Llama LM).
+NON_QWEN_FAMILIES: tuple[str, ...] = ("audioflamingo3", "llava_next")
 ALL_FAMILIES: tuple[str, ...] = FAMILIES + AUDIO_FAMILIES + OMNI_FAMILIES + NON_QWEN_FAMILIES
 # The media each family takes, as vLLM names the modalities.
 MODALITIES: dict[str, tuple[str, ...]] = {
@@ -78,6 +79,7 @@ MODALITIES: dict[str, tuple[str, ...]] = {
     "qwen2_5_omni": ("image", "video", "audio"),
     "qwen3_omni_moe": ("image", "video", "audio"),
     "audioflamingo3": ("audio",),
+    "llava_next": ("image",),
 }
 
 # Language-model and vision-tower sizes are per scale (see _SCALES) and shared by every
@@ -214,6 +216,15 @@ _QWEN3_OMNI_ADDED_TOKENS = _QWEN3_VL_ADDED_TOKENS + (
 # plus its sound placeholder, which lands on the released id (151669, the 27th added token).
 _AUDIOFLAMINGO3_ADDED_TOKENS = _QWEN3_VL_ADDED_TOKENS + (("<sound>", True),)
 
+# LLaVA-NeXT on a ChatML tokenizer (as llava-hf's Qwen-based LLaVA releases): the turn markers
+# and the image placeholder, which the processor expands to one token per embedding row.
+_LLAVA_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
+    ("<|endoftext|>", True),
+    ("<|im_start|>", True),
+    ("<|im_end|>", True),
+    ("<image>", True),
+)
+
 # The Omni processors read their placeholder and marker tokens from tokenizer attributes,
 # which transformers 5 sets from ``extra_special_tokens`` in tokenizer_config.json.
 _QWEN2_5_OMNI_TOKEN_ATTRIBUTES: tuple[tuple[str, str], ...] = (
@@ -283,6 +294,33 @@ _AUDIO_CHAT_TEMPLATE = (
 )
 
 
+def _one_modality_chat_template(modality: str, placeholder: str) -> str:
+    """ChatML turns with a default system prompt, and ``placeholder`` in place of each content part
+    of ``modality`` (recognised like the other templates: by ``type``, or by a ``<modality>`` or
+    ``<modality>_url`` key)."""
+    return (
+        "{% for message in messages %}"
+        "{% if loop.first and message['role'] != 'system' %}"
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "{% endif %}"
+        "<|im_start|>{{ message['role'] }}\n"
+        "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for content in message['content'] %}"
+        f"{{% if content['type'] == '{modality}' or '{modality}' in content or '{modality}_url' in content %}}{placeholder}"
+        "{% elif 'text' in content %}{{ content['text'] }}"
+        "{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+
+# Audio Flamingo 3: a bare <sound> per audio part, which its processor (and vLLM) expand to one
+# placeholder per audio frame.
+_AUDIOFLAMINGO3_CHAT_TEMPLATE = _one_modality_chat_template("audio", "<sound>")
+# LLaVA (llava-hf's LLaVA-OneVision and interleave releases): "<image>\n" per image part.
+_LLAVA_CHAT_TEMPLATE = _one_modality_chat_template("image", "<image>\n")
+
+
 def _omni_chat_template(image: str, video: str, audio: str) -> str:
     """A Qwen Omni chat template: ChatML turns with a default system prompt, and the given
     marker-wrapped placeholder per image, video or audio content part (recognised like the
@@ -325,22 +363,6 @@ _QWEN3_OMNI_CHAT_TEMPLATE = _omni_chat_template(
     "<|audio_start|><|audio_pad|><|audio_end|>",
 )
 
-# Audio Flamingo 3: ChatML with a default system prompt and a bare <sound> per audio part,
-# which its processor (and vLLM) expand to one placeholder per audio frame.
-_AUDIOFLAMINGO3_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-    "{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'audio' or 'audio' in content or 'audio_url' in content %}<sound>"
-    "{% elif 'text' in content %}{{ content['text'] }}"
-    "{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
 _CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
@@ -425,7 +447,40 @@ class _OmniFamily(_Family):
     speaker_file: bool = False
 
 
-_FAMILY_SPECS: dict[str, _Family | _AudioFamily] = {
+@dataclass(frozen=True)
+class _LlavaNextFamily:
+    """LLaVA-NeXT (LLaVA 1.6): a CLIP tower run over "anyres" tiles (the image resized onto the
+    best of a few tile grids and cut into tower-sized tiles, plus the whole image downscaled), a
+    two-layer projector, a learned embedding closing each row of tile features, and a Llama LM.
+
+    Attributes:
+        architecture: transformers model class name, written to ``config.architectures``.
+        processor_class: transformers processor class name.
+        added_tokens: tokenizer added tokens in id order, as (content, special).
+        tile_px: the tower's input edge, and so a tile's (336 in the released models).
+        patch_size: CLIP patch edge in pixels.
+        rope_theta: base of the language model's rotary embedding.
+        chat_template: the Jinja chat template.
+    """
+
+    architecture: str = "LlavaNextForConditionalGeneration"
+    processor_class: str = "LlavaNextProcessor"
+    added_tokens: tuple[tuple[str, bool], ...] = _LLAVA_ADDED_TOKENS
+    tile_px: int = 56  # 4 x 4 patches a tile
+    patch_size: int = 14
+    rope_theta: float = 10_000.0
+    chat_template: str = _LLAVA_CHAT_TEMPLATE
+
+    @property
+    def grid_pinpoints(self) -> list[list[int]]:
+        """The tile grids (height, width in pixels) an image may be resized onto: 1 x 2, 2 x 1 and
+        2 x 2 tiles, so tall, wide and large images take different layouts."""
+        tile = self.tile_px
+        return [[tile, 2 * tile], [2 * tile, tile], [2 * tile, 2 * tile]]
+
+
+_Spec = _Family | _AudioFamily | _LlavaNextFamily
+_FAMILY_SPECS: dict[str, _Spec] = {
     "qwen2_5_vl": _Family(
         architecture="Qwen2_5_VLForConditionalGeneration",
         processor_class="Qwen2_5_VLProcessor",
@@ -487,6 +542,7 @@ _FAMILY_SPECS: dict[str, _Family | _AudioFamily] = {
         audio_token="<sound>",
         chat_template=_AUDIOFLAMINGO3_CHAT_TEMPLATE,
     ),
+    "llava_next": _LlavaNextFamily(),
 }
 
 
@@ -588,6 +644,11 @@ _QWEN2_AUDIO_DISK_PREFIXES = (
     ("lm_head.", "language_model.lm_head."),
 )
 _AUDIO_TOWER_PREFIXES = ("audio_tower.", "multi_modal_projector.")
+# LLaVA's tower as llava-hf stores it: CLIP under ``vision_tower.vision_model.`` (transformers 5
+# drops the inner ``vision_model.`` and maps it back on loading; vLLM reads only the released
+# names), then the projector and the newline embedding at the top level.
+_LLAVA_CLIP_PREFIX, _LLAVA_CLIP_DISK_PREFIX = "vision_tower.", "vision_tower.vision_model."
+_LLAVA_TOWER_PREFIXES = ("vision_tower.", "multi_modal_projector.", "image_newline")
 
 
 def build_tiny_checkpoint(
@@ -630,6 +691,8 @@ def build_tiny_checkpoint(
     _write_tokenizer_files(out, tokenizer, spec)
     if isinstance(spec, _AudioFamily):
         config = _build_audio_config(family, spec, sizes, vocab_size=tokenizer.get_vocab_size(), token_ids=token_ids)
+    elif isinstance(spec, _LlavaNextFamily):
+        config = _build_llava_next_config(spec, sizes, vocab_size=tokenizer.get_vocab_size(), token_ids=token_ids)
     elif isinstance(spec, _OmniFamily):
         config = _build_omni_config(family, spec, sizes, vocab_size=tokenizer.get_vocab_size(), token_ids=token_ids, tokenizer=tokenizer)
     else:
@@ -645,6 +708,8 @@ def build_tiny_checkpoint(
     )
     if isinstance(spec, _AudioFamily):
         _write_audio_processor_configs(out, spec)
+    elif isinstance(spec, _LlavaNextFamily):
+        _write_llava_next_processor_configs(out, spec)
     else:
         _write_processor_configs(out, spec, sizes)
     if isinstance(spec, _OmniFamily) and spec.speaker_file:
@@ -717,7 +782,7 @@ def ensure_tiny_checkpoint(
     return target
 
 
-def _family_spec(family: str) -> _Family | _AudioFamily:
+def _family_spec(family: str) -> _Spec:
     """The spec of ``family``; raises ValueError for an unknown one."""
     try:
         return _FAMILY_SPECS[family]
@@ -733,9 +798,9 @@ def _scale(scale: str) -> _Scale:
         raise ValueError(f"unknown scale {scale!r}; expected one of {SCALES}") from None
 
 
-def _is_complete(path: pathlib.Path, spec: _Family | _AudioFamily) -> bool:
+def _is_complete(path: pathlib.Path, spec: _Spec) -> bool:
     """Whether ``path`` holds every file a built checkpoint of ``spec`` has, shards included."""
-    required = _REQUIRED_FILES if isinstance(spec, _AudioFamily) else _REQUIRED_FILES + _VISION_REQUIRED_FILES
+    required = _REQUIRED_FILES + _VISION_REQUIRED_FILES if isinstance(spec, _Family) else _REQUIRED_FILES
     if isinstance(spec, _OmniFamily) and spec.speaker_file:
         required += (_SPEAKER_FILE,)
     if not all((path / name).is_file() for name in required):
@@ -767,7 +832,7 @@ def _tokenizer_corpus() -> list[str]:
     return lines
 
 
-def _build_tokenizer(spec: _Family | _AudioFamily) -> tokenizers.Tokenizer:
+def _build_tokenizer(spec: _Spec) -> tokenizers.Tokenizer:
     """Trains a byte-level BPE with Qwen's pre-tokenizer and appends Qwen's added tokens.
 
     The normaliser, pre-tokenizer and decoder match what transformers' ``Qwen2Tokenizer``
@@ -799,7 +864,7 @@ def _build_tokenizer(spec: _Family | _AudioFamily) -> tokenizers.Tokenizer:
     return tokenizer
 
 
-def _write_tokenizer_files(out: pathlib.Path, tokenizer: tokenizers.Tokenizer, spec: _Family | _AudioFamily) -> None:
+def _write_tokenizer_files(out: pathlib.Path, tokenizer: tokenizers.Tokenizer, spec: _Spec) -> None:
     """Writes tokenizer.json, tokenizer_config.json and chat_template.jinja."""
     _write_text(out / "tokenizer.json", tokenizer.to_str(pretty=True) + "\n")
     config: dict[str, Any] = {
@@ -903,6 +968,47 @@ def _build_config(family: str, spec: _Family, sizes: _Scale, *, vocab_size: int,
         video_token_id=token_ids["<|video_pad|>"],
         vision_start_token_id=token_ids["<|vision_start|>"],
         vision_end_token_id=token_ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+        architectures=[spec.architecture],
+        dtype="float32",
+    )
+
+
+def _build_llava_next_config(spec: _LlavaNextFamily, sizes: _Scale, *, vocab_size: int, token_ids: Mapping[str, int]) -> PreTrainedConfig:
+    """Builds the ``LlavaNextConfig``: the scale's tower sizes as a CLIP tower, the scale's LM as
+    a Llama, and the released models' feature choices (the penultimate tower layer, its class
+    token dropped)."""
+    import transformers
+
+    text_config: dict[str, Any] = _text_config(sizes, vocab_size) | {
+        "model_type": "llama",
+        "head_dim": sizes.head_dim,
+        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
+        "bos_token_id": token_ids["<|endoftext|>"],
+        "eos_token_id": token_ids["<|im_end|>"],
+        "pad_token_id": token_ids["<|endoftext|>"],
+        "tie_word_embeddings": False,
+        "dtype": "float32",
+    }
+    vision_config = {
+        "model_type": "clip_vision_model",
+        "hidden_size": sizes.vision_hidden,
+        "intermediate_size": sizes.vision_intermediate,
+        "num_hidden_layers": sizes.vision_depth,
+        "num_attention_heads": sizes.vision_heads,
+        "image_size": spec.tile_px,
+        "patch_size": spec.patch_size,
+        "projection_dim": sizes.vision_hidden,
+        "hidden_act": "quick_gelu",
+        "initializer_range": sizes.vision_init_std,
+    }
+    return transformers.LlavaNextConfig(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_index=token_ids["<image>"],
+        image_grid_pinpoints=spec.grid_pinpoints,
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
         tie_word_embeddings=False,
         architectures=[spec.architecture],
         dtype="float32",
@@ -1096,6 +1202,37 @@ def _write_processor_configs(out: pathlib.Path, spec: _Family, sizes: _Scale) ->
     _write_json(out / "processor_config.json", {"processor_class": spec.processor_class})
 
 
+def _write_llava_next_processor_configs(out: pathlib.Path, spec: _LlavaNextFamily) -> None:
+    """Writes the anyres image processor's config (CLIP's normalisation, the tile grids) and the
+    processor's, which expands each ``<image>`` to the tile features' count."""
+    image = {
+        "image_processor_type": "LlavaNextImageProcessor",
+        "processor_class": spec.processor_class,
+        "size": {"shortest_edge": spec.tile_px},
+        "crop_size": {"height": spec.tile_px, "width": spec.tile_px},
+        "image_grid_pinpoints": spec.grid_pinpoints,
+        "image_mean": _CLIP_MEAN,
+        "image_std": _CLIP_STD,
+        "do_resize": True,
+        "do_center_crop": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "do_pad": True,
+        "do_convert_rgb": True,
+        "resample": 3,  # bicubic
+    }
+    _write_json(out / "preprocessor_config.json", image)
+    processor = {
+        "processor_class": spec.processor_class,
+        "image_token": "<image>",
+        "patch_size": spec.patch_size,
+        "vision_feature_select_strategy": "default",
+        "num_additional_image_tokens": 1,  # CLIP's class token, which "default" drops
+    }
+    _write_json(out / "processor_config.json", processor)
+
+
 def _write_audio_processor_configs(out: pathlib.Path, spec: _AudioFamily) -> None:
     """Writes the Whisper feature extractor config (the released Qwen2-Audio's settings) and
     the processor config."""
@@ -1131,33 +1268,33 @@ def _write_sharded_weights(out: pathlib.Path, config: PreTrainedConfig, num_shar
     ``model.visual.*`` / ``model.language_model.*``, both with ``lm_head.*``; the Omni
     thinkers as ``thinker.visual.*`` / ``thinker.audio_tower.*`` / ``thinker.model.*`` /
     ``thinker.lm_head.*`` (Qwen3-Omni's experts one tensor per expert and projection, as
-    released). Qwen2-Audio and Audio Flamingo 3 get the released checkpoints' names instead
-    (see ``_QWEN2_AUDIO_DISK_PREFIXES``).
+    released). Qwen2-Audio, Audio Flamingo 3 and LLaVA-NeXT get the released checkpoints' names
+    instead (see :func:`_on_disk`).
     Tensors are drawn one shard at a time, so a bench-scale build holds one shard in memory.
     """
     import safetensors.torch
     import torch
     import transformers
-    from transformers.core_model_loading import revert_weight_conversion
 
     with torch.device("meta"):
         model = getattr(transformers, config.architectures[0])(config)
-    if config.model_type in ("qwen2_audio", "audioflamingo3"):
-        shapes = {_qwen2_audio_disk_name(name): tensor for name, tensor in model.state_dict().items()}
-    else:
-        shapes = revert_weight_conversion(model, model.state_dict())
+    shapes, is_tower = _on_disk(config, model)
+    llava = config.model_type == "llava_next"
 
     num_layers = config.get_text_config().num_hidden_layers
     names_by_shard: dict[int, list[str]] = {index: [] for index in range(1, num_shards + 1)}
     for name in sorted(shapes):
-        names_by_shard[_shard_of(name, num_layers, num_shards)].append(name)
+        names_by_shard[_TOWER_SHARD if is_tower(name) else _lm_shard_of(name, num_layers, num_shards)].append(name)
 
     weight_map: dict[str, str] = {}
     total_size = 0
     for index, names in names_by_shard.items():
         tensors = {
             name: _random_tensor(
-                name, tuple(shapes[name].shape), seed=vision_seed if _is_tower_tensor(name) else seed, std=_init_std(name, vision_std)
+                name,
+                tuple(shapes[name].shape),
+                seed=vision_seed if is_tower(name) else seed,
+                std=vision_std if llava and is_tower(name) else _init_std(name, vision_std),
             )
             for name in names
         }
@@ -1169,6 +1306,20 @@ def _write_sharded_weights(out: pathlib.Path, config: PreTrainedConfig, num_shar
             weight_map[name] = file_name
             total_size += tensor.numel() * tensor.element_size()
     _write_json(out / _INDEX_FILE, {"metadata": {"total_size": total_size}, "weight_map": weight_map})
+
+
+def _on_disk(config: PreTrainedConfig, model: Any) -> tuple[dict[str, torch.Tensor], Callable[[str], bool]]:
+    """The model's (meta) tensors under their on-disk names, and which of those names are the
+    tower's."""
+    from transformers.core_model_loading import revert_weight_conversion
+
+    if config.model_type in ("qwen2_audio", "audioflamingo3"):
+        return {_qwen2_audio_disk_name(name): tensor for name, tensor in model.state_dict().items()}, _is_tower_tensor
+    shapes = revert_weight_conversion(model, model.state_dict())
+    if config.model_type == "llava_next":
+        clip = _LLAVA_CLIP_PREFIX
+        return {_LLAVA_CLIP_DISK_PREFIX + name.removeprefix(clip) if name.startswith(clip) else name: t for name, t in shapes.items()}, _is_llava_tower_tensor
+    return shapes, _is_tower_tensor
 
 
 def _qwen2_audio_disk_name(name: str) -> str:
@@ -1187,6 +1338,10 @@ def _is_tower_tensor(name: str) -> bool:
     return "visual" in name.split(".") or _is_audio_tower_tensor(name)
 
 
+def _is_llava_tower_tensor(name: str) -> bool:
+    return name.startswith(_LLAVA_TOWER_PREFIXES)
+
+
 def _is_audio_tower_tensor(name: str) -> bool:
     return name.startswith(_AUDIO_TOWER_PREFIXES) or "audio_tower" in name.split(".")
 
@@ -1200,12 +1355,10 @@ def _init_std(name: str, vision_std: float) -> float:
     return _EMBED_INIT_STD if "embed_tokens" in name.split(".") else _TEXT_INIT_STD
 
 
-def _shard_of(name: str, num_layers: int, num_shards: int) -> int:
-    """Shard number (1-based) of a tensor: the tower alone, then the LM's layers spread evenly
-    over the remaining shards, the embeddings in the first of them and the final norm and
-    lm_head in the last (so ``num_shards - 1`` must not exceed ``num_layers``)."""
-    if _is_tower_tensor(name):
-        return _TOWER_SHARD
+def _lm_shard_of(name: str, num_layers: int, num_shards: int) -> int:
+    """Shard number (1-based) of a language-model tensor (the tower has shard 1 alone): the
+    layers spread evenly over the remaining shards, the embeddings in the first of them and the
+    final norm and lm_head in the last (so ``num_shards - 1`` must not exceed ``num_layers``)."""
     lm_shards = num_shards - _TOWER_SHARD
     parts = name.split(".")
     if "layers" in parts:

@@ -59,3 +59,25 @@ class _Forwarder(grpc.GenericRpcHandler):
                 await context.abort(exc.code(), exc.details())
 
         return grpc.unary_unary_rpc_method_handler(unary)
+
+
+async def generate_through_taps(stack, request, mode: str, *, extra=(), timeout: float = 180) -> tuple:
+    """Generates ``request`` through a temporary ``mode`` gateway of ``stack`` (a
+    :class:`tests.conftest.FamilyStack`) whose prefill (E/P/D) and decode hops pass through
+    recording proxies. Returns the result and the Prefill and Decode request bodies."""
+    from cli.launcher import gateway_args
+    from epd.client import generate
+    from tests.helpers import gateway_stub
+
+    decode_tap = RecordingProxy(stack.decode.address, streaming=frozenset({"Decode"}))
+    prefill_tap = RecordingProxy(stack.prefill.address) if mode == "epd" else None
+    prefills = [await prefill_tap.start()] if prefill_tap else []
+    args = gateway_args(stack.model, mode, encoders=[stack.encoder.address], prefills=prefills, decodes=[await decode_tap.start()], extra=extra)
+    try:
+        with stack.stack.temporary(f"gateway-tapped-{mode}", args) as gateway:
+            result = await generate(gateway_stub(gateway.address), request, timeout=timeout)
+    finally:
+        await decode_tap.stop()
+        if prefill_tap:
+            await prefill_tap.stop()
+    return result, prefill_tap.requests_for("/Prefill") if prefill_tap else [], decode_tap.requests_for("/Decode")

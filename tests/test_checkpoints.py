@@ -195,7 +195,7 @@ def test_unknown_family_is_rejected(tmp_path: pathlib.Path) -> None:
         build_tiny_checkpoint("llava", tmp_path)
     assert FAMILIES + AUDIO_FAMILIES == ("qwen2_5_vl", "qwen3_vl", "qwen2_audio")
     assert ALL_FAMILIES == FAMILIES + AUDIO_FAMILIES + OMNI_FAMILIES + NON_QWEN_FAMILIES
-    assert OMNI_FAMILIES == ("qwen2_5_omni", "qwen3_omni_moe") and NON_QWEN_FAMILIES == ("audioflamingo3",)
+    assert OMNI_FAMILIES == ("qwen2_5_omni", "qwen3_omni_moe") and NON_QWEN_FAMILIES == ("audioflamingo3", "llava_next")
     assert set(MODALITIES) == set(ALL_FAMILIES)
 
 
@@ -404,11 +404,13 @@ TOWER_PREFIXES = {
     "qwen2_5_omni": ("thinker.visual.", "thinker.audio_tower."),
     "qwen3_omni_moe": ("thinker.visual.", "thinker.audio_tower."),
     "audioflamingo3": ("audio_tower.", "multi_modal_projector."),
+    "llava_next": ("vision_tower.vision_model.", "multi_modal_projector.", "image_newline"),
 }
 LM_PREFIXES = {
     "qwen2_5_omni": ("thinker.model.", "thinker.lm_head."),
     "qwen3_omni_moe": ("thinker.model.", "thinker.lm_head."),
     "audioflamingo3": ("language_model.model.", "language_model.lm_head."),
+    "llava_next": ("language_model.model.", "language_model.lm_head."),
 }
 # What each family's chat template puts in place of an image, video or audio content part.
 PLACEHOLDERS = {
@@ -423,6 +425,7 @@ PLACEHOLDERS = {
         "audio": "<|audio_start|><|audio_pad|><|audio_end|>",
     },
     "audioflamingo3": {"audio": "<sound>"},
+    "llava_next": {"image": "<image>\n"},
 }
 TOWER_SHARD = "model-00001-of-00003.safetensors"
 
@@ -434,10 +437,13 @@ def multimodal_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str
 
 
 def released_name(name: str) -> str:
-    """The on-disk name of an Audio Flamingo 3 parameter in transformers 5: stored like
-    Qwen2-Audio (``language_model.model.*``, no outer ``model.``)."""
+    """The on-disk name of an Audio Flamingo 3 or LLaVA-NeXT parameter in transformers 5: stored
+    as released (``language_model.model.*``, no outer ``model.``; LLaVA's CLIP tower under
+    ``vision_tower.vision_model.``, which transformers 5 drops)."""
     for module_prefix, disk_prefix in (
         ("model.audio_tower.", "audio_tower."),
+        ("model.vision_tower.", "vision_tower.vision_model."),
+        ("model.image_newline", "image_newline"),
         ("model.multi_modal_projector.", "multi_modal_projector."),
         ("model.language_model.", "language_model.model."),
         ("lm_head.", "language_model.lm_head."),
@@ -554,8 +560,9 @@ def test_multimodal_transformers_loads_processes_and_generates(multimodal_checkp
     assert text_config.hidden_size == 128 and text_config.num_hidden_layers == 2
     assert not text_config.tie_word_embeddings
     assert type(processor).__name__ == json.loads((directory / "processor_config.json").read_text())["processor_class"]
-    assert type(processor.feature_extractor).__name__ == "WhisperFeatureExtractor"
-    assert processor.feature_extractor.sampling_rate == AUDIO_RATE
+    if "audio" in MODALITIES[family]:
+        assert type(processor.feature_extractor).__name__ == "WhisperFeatureExtractor"
+        assert processor.feature_extractor.sampling_rate == AUDIO_RATE
     assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
     token_id = tokenizer.convert_tokens_to_ids
     if family in OMNI_FAMILIES:
@@ -580,8 +587,14 @@ def test_multimodal_transformers_loads_processes_and_generates(multimodal_checkp
             assert vision.apply_vit_abs_pos_embed
             assert (vision.image_size // vision.patch_size) ** 2 == vision.num_position_embeddings
             assert (text_config.num_experts, text_config.num_experts_per_tok) == (4, 2)
-    else:
+    elif family == "audioflamingo3":
         assert config.audio_token_id == processor.audio_token_id == token_id("<sound>")
+    else:
+        assert config.image_token_index == processor.image_token_id == token_id("<image>")
+        assert type(processor.image_processor).__name__ == "LlavaNextImageProcessor"
+        # Tall, wide and large images get different tile grids: 1 x 2, 2 x 1, 2 x 2 tiles of the tower's edge.
+        tile = config.vision_config.image_size
+        assert config.image_grid_pinpoints == [[tile, 2 * tile], [2 * tile, tile], [2 * tile, 2 * tile]]
 
     expected_parts = "".join(PLACEHOLDERS[family][m] for m in MODALITIES[family])
     for render in (processor.apply_chat_template, tokenizer.apply_chat_template):

@@ -16,7 +16,7 @@ from epd.telemetry import scrape
 from epd.v1 import decode_pb2, prefill_pb2
 from tests.conftest import DEFAULT_FAMILY, checkpoint
 from tests.helpers import gateway_stub
-from tests.tap import RecordingProxy
+from tests.tap import generate_through_taps
 
 
 class OddEncoders(NamedTuple):
@@ -70,21 +70,10 @@ async def test_no_media_bytes_reach_prefill_or_decode(family_stack, mode):
     request = chat_request([(png, "image/png"), "What is this?"], max_tokens=16)
     oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=120)
 
-    decode_target = family_stack.decode if mode == "epd" else family_stack.combined
-    decode_tap = RecordingProxy(decode_target.address, streaming=frozenset({"Decode"}))
-    prefill_tap = RecordingProxy(family_stack.prefill.address)
-    prefills = [await prefill_tap.start()] if mode == "epd" else []
-    args = gateway_args(family_stack.model, mode, encoders=[family_stack.encoder.address], prefills=prefills, decodes=[await decode_tap.start()])
-    try:
-        with family_stack.stack.temporary(f"gateway-tapped-{mode}", args) as gateway:
-            result = await generate(gateway_stub(gateway.address), request, timeout=120)
-    finally:
-        await decode_tap.stop()
-        await prefill_tap.stop()
+    # The E+PD gateway's decode is the stack's combined instance (its decode).
+    result, prefill_bodies, decode_bodies = await generate_through_taps(family_stack, request, mode, timeout=120)
 
     assert result.token_ids == oracle.token_ids
-    decode_bodies = decode_tap.requests_for("/Decode")
-    prefill_bodies = prefill_tap.requests_for("/Prefill")
     assert len(decode_bodies) == 1 and len(prefill_bodies) == (1 if mode == "epd" else 0)
     for body in decode_bodies + prefill_bodies:
         assert png not in body and png[:64] not in body, "media bytes crossed a hop after the encoder"
@@ -145,17 +134,8 @@ async def test_media_forwarding_baseline_sends_media_and_keeps_the_tokens(family
     request = chat_request([(png, "image/png"), "What is this?"], max_tokens=16)
     oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=120)
 
-    decode_tap = RecordingProxy(family_stack.decode.address, streaming=frozenset({"Decode"}))
-    prefill_tap = RecordingProxy(family_stack.prefill.address)
-    s = family_stack
-    args = gateway_args(s.model, "epd", encoders=[s.encoder.address], prefills=[await prefill_tap.start()], decodes=[await decode_tap.start()], extra=["--forward-media"])
-    try:
-        with s.stack.temporary("gateway-forward-media", args) as gateway:
-            result = await generate(gateway_stub(gateway.address), request, timeout=120)
-    finally:
-        await decode_tap.stop()
-        await prefill_tap.stop()
+    result, prefill_bodies, decode_bodies = await generate_through_taps(family_stack, request, "epd", extra=["--forward-media"], timeout=120)
 
     assert result.token_ids == oracle.token_ids
-    for body in decode_tap.requests_for("/Decode") + prefill_tap.requests_for("/Prefill"):
+    for body in decode_bodies + prefill_bodies:
         assert png in body

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from devkit.checkpoints import FAMILIES
+from devkit.checkpoints import FAMILIES, MODALITIES
 from devkit.media import synthetic_image_png
 from epd.client import chat_request, content_part, generate
 from epd.v1 import common_pb2, gateway_pb2
@@ -43,6 +43,9 @@ CHATS = {
     ],
 }
 CHAT_MAX_TOKENS = 24
+# The image families whose monolithic oracle is checked against LLM.chat here; LLaVA-NeXT's
+# disaggregated runs are compared with that oracle in test_models.py.
+CHAT_FAMILIES = (*FAMILIES, "llava_next")
 
 
 def _chat_request(messages: list[tuple[str, list]]) -> gateway_pb2.GenerateRequest:
@@ -56,11 +59,12 @@ def _chat_request(messages: list[tuple[str, list]]) -> gateway_pb2.GenerateReque
 def llm_chat(tmp_path_factory) -> dict[str, dict[str, dict]]:
     """Every family's CHATS through vLLM's LLM.chat, one engine per family, in one process."""
     chats = {name: {"messages": chat_messages(build()), "max_tokens": CHAT_MAX_TOKENS, "min_tokens": MIN_TOKENS} for name, build in CHATS.items()}
-    jobs = [{"model": str(checkpoint(family)), "dtype": "float32", "limit_mm_per_prompt": {"image": 3, "video": 0}, "chats": chats} for family in FAMILIES]
+    limits = {family: {"image": 3} | ({"video": 0} if "video" in MODALITIES[family] else {}) for family in CHAT_FAMILIES}
+    jobs = [{"model": str(checkpoint(family)), "dtype": "float32", "limit_mm_per_prompt": limits[family], "chats": chats} for family in CHAT_FAMILIES]
     return run_llm_chat(jobs, tmp_path_factory.mktemp("llm-chat"))
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", CHAT_FAMILIES)
 @pytest.mark.parametrize("chat", list(CHATS))
 async def test_monolithic_equals_vllm_llm_chat(family_stack, family, chat, llm_chat):
     """The oracle itself against vLLM's chat path: the same prompt ids and greedy tokens."""

@@ -1,11 +1,12 @@
 """Models beyond the Qwen-VL pair, with no code of ours per model: the Qwen2.5-Omni and Qwen3-Omni
-thinkers and NVIDIA's Audio Flamingo 3. Greedy tokens equal the monolithic vLLM run of the same
-request in E/P/D and E+PD.
+thinkers, NVIDIA's Audio Flamingo 3 and LLaVA-NeXT. Greedy tokens equal the monolithic vLLM run
+of the same request in E/P/D and E+PD (which ``test_equivalence.py`` compares with vLLM's own
+``LLM.chat`` for LLaVA-NeXT).
 
 Every modality of these is metadata-only: no media reaches prefill or decode. vLLM declares the
 layout of Qwen2.5-Omni's, Qwen3-Omni's audio and Audio Flamingo 3's; EPD declares what vLLM 0.32
-leaves out (Qwen2.5-Omni's ``second_per_grid_ts``, Qwen3-Omni's image and video:
-``epd/compat/``), and the recording proxy proves it for both Omni thinkers.
+leaves out (Qwen2.5-Omni's ``second_per_grid_ts``, Qwen3-Omni's image and video, LLaVA-NeXT's
+image: ``epd/compat/``), and the recording proxy proves it for the Omni thinkers and LLaVA-NeXT.
 
 Qwen2.5-Omni runs on one stack, in bfloat16 (the deployment dtype, where rounding makes identity
 hardest): its audio, image, video and audio-plus-image equivalence is ``test_bf16.py``'s, and its
@@ -20,14 +21,14 @@ import pytest
 
 from devkit.media import sine_wav, synthetic_image_png, synthetic_video
 from epd.client import chat_request, generate
-from epd.v1 import decode_pb2, encoder_pb2, encoder_pb2_grpc, multimodal_pb2
+from epd.v1 import decode_pb2, encoder_pb2, encoder_pb2_grpc, multimodal_pb2, prefill_pb2
 from tests.conftest import BF16, stack_key
-from tests.helpers import MIN_TOKENS, assert_matches_monolithic, gateway_stub, wait_for_metric
-from tests.tap import RecordingProxy
+from tests.helpers import MIN_TOKENS, assert_matches_monolithic, wait_for_metric
+from tests.tap import generate_through_taps
 
 
-def _image(seed: int) -> tuple[bytes, str]:
-    return synthetic_image_png(140, 100, seed=seed), "image/png"
+def _image(seed: int, width: int = 140, height: int = 100) -> tuple[bytes, str]:
+    return synthetic_image_png(width, height, seed=seed), "image/png"
 
 
 def _clip(seed: int) -> tuple[bytes, str]:
@@ -50,8 +51,20 @@ CASES = {
         # Audio Flamingo 3 takes one clip per prompt (vLLM's limit for the model).
         "audio_between_text": lambda: ["Listen to this:", _tone(3.1, 11), "What is it?"],
     },
+    # Wide, tall and square images take different tile grids, and so different token counts.
+    "llava_next": {
+        "image": lambda: [_image(30, 160, 90), "What do you see?"],
+        "image_between_text": lambda: ["Look:", _image(31, 80, 150), "What is it?"],
+        "two_images": lambda: [_image(32, 120, 120), _image(33, 200, 60), "Compare them."],
+    },
 }
 PARAMS = [(family, case) for family, cases in CASES.items() for case in cases]
+
+
+@pytest.mark.parametrize("family", list(CASES))
+def test_the_encoder_reads_only_the_tower_shard(family_stack, family):
+    """vLLM's encoder-only engine loads the tower's shard alone (each tiny checkpoint has three)."""
+    assert "read 1 of 3 safetensors shards" in family_stack.encoder.log_path.read_text(errors="replace")
 
 
 @pytest.mark.parametrize(("family", "case"), PARAMS)
@@ -86,21 +99,31 @@ async def test_omni_metadata_only_path_carries_no_media(family_stack, family):
     tone, png, clip = _tone(1.0, 15), _image(16), _clip(21)
     request = chat_request([tone, png, clip, "All three?"], max_tokens=16, min_tokens=MIN_TOKENS)
     oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=180)
-    from cli.launcher import gateway_args
-
-    tap = RecordingProxy(family_stack.decode.address, streaming=frozenset({"Decode"}))
-    s = family_stack
-    args = gateway_args(s.model, "epd", encoders=[s.encoder.address], prefills=[s.prefill.address], decodes=[await tap.start()])
-    try:
-        with s.stack.temporary("gateway-tapped-omni", args) as gateway:
-            result = await generate(gateway_stub(gateway.address), request, timeout=180)
-    finally:
-        await tap.stop()
+    result, (prefill_body,), (decode_body,) = await generate_through_taps(family_stack, request, "epd")
     assert result.token_ids == oracle.token_ids
-    (body,) = tap.requests_for("/Decode")
-    assert all(media[0][:64] not in body for media in (tone, png, clip))
-    audio, image, video = decode_pb2.DecodeRequest.FromString(body).items
+    assert all(media[0][:64] not in body for media in (tone, png, clip) for body in (prefill_body, decode_body))
+    audio, image, video = decode_pb2.DecodeRequest.FromString(decode_body).items
     assert audio.metadata.audio_feature_length > 0 and not audio.HasField("forwarded_media")
     assert image.metadata.grid_thw.h > 0 and not image.HasField("forwarded_media")
     assert video.metadata.grid_thw.t > 0 and not video.HasField("forwarded_media")
-    assert await wait_for_metric(s.encoder.metrics_port, "epd_arena_leases", 0.0) == 0.0
+    assert await wait_for_metric(family_stack.encoder.metrics_port, "epd_arena_leases", 0.0) == 0.0
+
+
+@pytest.mark.parametrize("family", ["llava_next"])
+async def test_llava_next_images_reach_prefill_and_decode_as_metadata_only(family_stack, family):
+    """vLLM 0.32 declares no metadata-only layout for LLaVA-NeXT; with EPD's declaration of its
+    ``image_sizes`` (epd/compat/vllm_llava_next.py) the encoder publishes each image's size, and
+    prefill and decode lay the image out from it: neither sees a pixel."""
+    wide, tall = _image(34, 200, 70), _image(35, 70, 180)
+    request = chat_request([wide, tall, "Which is wider?"], max_tokens=16, min_tokens=MIN_TOKENS)
+    oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=180)
+    result, (prefill_body,), (decode_body,) = await generate_through_taps(family_stack, request, "epd")
+    assert result.token_ids == oracle.token_ids
+    assert all(png[:64] not in body for png, _ in (wide, tall) for body in (decode_body, prefill_body))
+    for items in (prefill_pb2.PrefillRequest.FromString(prefill_body).items, decode_pb2.DecodeRequest.FromString(decode_body).items):
+        sizes = [list(item.metadata.engine_fields["image_sizes"].int_values) for item in items]
+        assert sizes == [[70, 200], [180, 70]]  # (height, width), as the processor records them
+        assert not any(item.metadata.layout_needs_media or item.HasField("forwarded_media") for item in items)
+        # Different tile grids: the wide and the tall image take different token counts.
+        assert items[0].metadata.placeholder_count != items[1].metadata.placeholder_count
+    assert await wait_for_metric(family_stack.encoder.metrics_port, "epd_arena_leases", 0.0) == 0.0

@@ -1,0 +1,69 @@
+"""A model-specific declaration: vLLM 0.32 declares no metadata-only layout for LLaVA-NeXT's
+images, so without it prefill and decode receive every image (EPD's declared fallback) and run
+its processor, though they never run the tower.
+
+Where an image sits in the prompt depends on its size alone: the processor resizes it onto the
+best tile grid and counts the tower features that survive unpadding, plus one newline per row
+of them. ``image_sizes`` (the original height and width, a processor output) is therefore the
+item's metadata. Declared here, the encoder publishes it per item, and a consumer lays the item
+out from it with vLLM's own count (``LlavaNextProcessingInfo.get_num_image_tokens``), with no
+pixels.
+
+Only LLaVA-NeXT itself gets it: the models built on its classes (LLaVA-OneVision, LLaVA-NeXT-
+Video ...) lay their items out differently and keep vLLM's behaviour. Remove once vLLM declares
+the field. Installed with the other fixes (:func:`epd.compat.install_vllm_fixes`), in every
+process that parses multimodal inputs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+_SIZES = "image_sizes"
+
+
+@functools.cache
+def install() -> None:
+    from vllm.model_executor.models import llava_next
+    from vllm.multimodal.inputs import MultiModalFieldConfig
+    from vllm.multimodal.parse import DictEmbeddingItems, MultiModalDataParser
+    from vllm.multimodal.processing import PromptReplacement
+
+    def fields(_data):
+        return {"image_embeds": MultiModalFieldConfig.batched("image"), _SIZES: MultiModalFieldConfig.batched("image", keep_on_cpu=True)}
+
+    class LlavaNextDataParser(MultiModalDataParser):
+        embedding_fields = {"image": {"image_embeds": "values", _SIZES: "metadata"}}
+
+        def _parse_image_data(self, data):
+            if not isinstance(data, dict):
+                return super()._parse_image_data(data)
+            required, optional = self.embedding_field_sets("image")
+            return DictEmbeddingItems(data, modality="image", required_fields=required, optional_fields=optional, fields_factory=fields)
+
+    info_class = llava_next.LlavaNextProcessingInfo
+    vllm_data_parser = info_class.get_data_parser
+
+    def get_data_parser(self):
+        if type(self) is not info_class:
+            return vllm_data_parser(self)
+        return LlavaNextDataParser(expected_hidden_size=self._get_expected_hidden_size(), allow_missing_mm_embeddings=self.allow_missing_mm_embeddings)
+
+    processor_class = llava_next.LlavaNextMultiModalProcessor
+    vllm_prompt_updates = processor_class._get_prompt_updates
+
+    def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs):
+        """vLLM's replacement for images it processed; for metadata-only ones, as many
+        placeholders as vLLM counts for their recorded size."""
+        if not isinstance(mm_items.get("image"), DictEmbeddingItems):
+            return vllm_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs)
+        token = self.info.get_hf_config().image_token_index
+
+        def replacement(index: int) -> list[int]:
+            height, width = out_mm_kwargs["image"][index][_SIZES].data.tolist()
+            return [token] * self.info.get_num_image_tokens(image_width=width, image_height=height)
+
+        return [PromptReplacement(modality="image", target=[token], replacement=replacement)]
+
+    info_class.get_data_parser = get_data_parser
+    processor_class._get_prompt_updates = _get_prompt_updates
