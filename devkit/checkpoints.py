@@ -67,9 +67,10 @@ FAMILIES: tuple[str, ...] = ("qwen2_5_vl", "qwen3_vl")
 AUDIO_FAMILIES: tuple[str, ...] = ("qwen2_audio",)
 # Qwen Omni thinkers (text out only): a vision tower and an audio tower in front of one LM.
 OMNI_FAMILIES: tuple[str, ...] = ("qwen2_5_omni", "qwen3_omni_moe")
-# Families from outside Qwen: NVIDIA's Audio Flamingo 3 (Whisper-style tower, Qwen2 LM) and
-# LLaVA-NeXT (a CLIP tower over "anyres" tiles, a Llama LM).
-NON_QWEN_FAMILIES: tuple[str, ...] = ("audioflamingo3", "llava_next")
+# Families from outside Qwen: NVIDIA's Audio Flamingo 3 (Whisper-style tower, Qwen2 LM),
+# LLaVA-NeXT (a CLIP tower over "anyres" tiles, a Llama LM) and Zhipu's GLM-4.1V (a Qwen2-VL-like
+# patch-grid tower, a GLM-4 LM).
+NON_QWEN_FAMILIES: tuple[str, ...] = ("audioflamingo3", "llava_next", "glm4v")
 ALL_FAMILIES: tuple[str, ...] = FAMILIES + AUDIO_FAMILIES + OMNI_FAMILIES + NON_QWEN_FAMILIES
 # The media each family takes, as vLLM names the modalities.
 MODALITIES: dict[str, tuple[str, ...]] = {
@@ -80,6 +81,7 @@ MODALITIES: dict[str, tuple[str, ...]] = {
     "qwen3_omni_moe": ("image", "video", "audio"),
     "audioflamingo3": ("audio",),
     "llava_next": ("image",),
+    "glm4v": ("image", "video"),
 }
 
 # Language-model and vision-tower sizes are per scale (see _SCALES) and shared by every
@@ -225,6 +227,30 @@ _LLAVA_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
     ("<image>", True),
 )
 
+# GLM-4.1V (zai-org/GLM-4.1V-9B-Thinking): GLM-4's turn and mask tokens, then its image and video
+# markers and placeholders, in the released order.
+_GLM4V_ADDED_TOKENS: tuple[tuple[str, bool], ...] = tuple(
+    (token, True)
+    for token in (
+        "<|endoftext|>",
+        "[MASK]",
+        "[gMASK]",
+        "[sMASK]",
+        "<sop>",
+        "<eop>",
+        "<|system|>",
+        "<|user|>",
+        "<|assistant|>",
+        "<|observation|>",
+        "<|begin_of_image|>",
+        "<|end_of_image|>",
+        "<|begin_of_video|>",
+        "<|end_of_video|>",
+        "<|image|>",
+        "<|video|>",
+    )
+)
+
 # The Omni processors read their placeholder and marker tokens from tokenizer attributes,
 # which transformers 5 sets from ``extra_special_tokens`` in tokenizer_config.json.
 _QWEN2_5_OMNI_TOKEN_ATTRIBUTES: tuple[tuple[str, str], ...] = (
@@ -321,6 +347,24 @@ _AUDIOFLAMINGO3_CHAT_TEMPLATE = _one_modality_chat_template("audio", "<sound>")
 _LLAVA_CHAT_TEMPLATE = _one_modality_chat_template("image", "<image>\n")
 
 
+# GLM-4.1V's template: a "[gMASK]<sop>" prefix, <|role|> turns without end markers, and a
+# marker-wrapped placeholder per image or video part.
+_GLM4V_CHAT_TEMPLATE = (
+    "[gMASK]<sop>"
+    "{% for message in messages %}<|{{ message['role'] }}|>\n"
+    "{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "<|begin_of_image|><|image|><|end_of_image|>"
+    "{% elif content['type'] == 'video' or 'video' in content or 'video_url' in content %}"
+    "<|begin_of_video|><|video|><|end_of_video|>"
+    "{% elif 'text' in content %}{{ content['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
 def _omni_chat_template(image: str, video: str, audio: str) -> str:
     """A Qwen Omni chat template: ChatML turns with a default system prompt, and the given
     marker-wrapped placeholder per image, video or audio content part (recognised like the
@@ -365,6 +409,10 @@ _QWEN3_OMNI_CHAT_TEMPLATE = _omni_chat_template(
 
 
 
+# ChatML's end of turn, and what ends a reply (the turn's end, or the text's).
+_CHATML_EOS = "<|im_end|>"
+_CHATML_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
+
 _CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 _CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
@@ -383,6 +431,9 @@ class _Family:
         image_std: per-channel normalisation std.
         rope_theta: base of the language model's rotary embedding.
         chat_template: the Jinja chat template.
+        image_processor_type: transformers image processor class name.
+        eos_token: the tokenizer's end-of-sequence token.
+        stop_tokens: the tokens that end a reply (generation_config's eos ids).
     """
 
     architecture: str
@@ -394,6 +445,9 @@ class _Family:
     image_std: list[float]
     rope_theta: float
     chat_template: str = _CHAT_TEMPLATE
+    image_processor_type: str = "Qwen2VLImageProcessor"
+    eos_token: str = _CHATML_EOS
+    stop_tokens: tuple[str, ...] = _CHATML_STOP_TOKENS
 
     @property
     def merged_patch(self) -> int:
@@ -421,6 +475,7 @@ class _AudioFamily:
         rope_theta: base of the language model's rotary embedding.
         audio_token: the placeholder the processor expands to one token per audio frame.
         chat_template: the Jinja chat template.
+        eos_token, stop_tokens: as :class:`_Family`'s.
     """
 
     architecture: str
@@ -429,6 +484,8 @@ class _AudioFamily:
     rope_theta: float
     audio_token: str = "<|AUDIO|>"
     chat_template: str = _AUDIO_CHAT_TEMPLATE
+    eos_token: str = _CHATML_EOS
+    stop_tokens: tuple[str, ...] = _CHATML_STOP_TOKENS
 
 
 @dataclass(frozen=True)
@@ -461,6 +518,7 @@ class _LlavaNextFamily:
         patch_size: CLIP patch edge in pixels.
         rope_theta: base of the language model's rotary embedding.
         chat_template: the Jinja chat template.
+        eos_token, stop_tokens: as :class:`_Family`'s.
     """
 
     architecture: str = "LlavaNextForConditionalGeneration"
@@ -470,6 +528,8 @@ class _LlavaNextFamily:
     patch_size: int = 14
     rope_theta: float = 10_000.0
     chat_template: str = _LLAVA_CHAT_TEMPLATE
+    eos_token: str = _CHATML_EOS
+    stop_tokens: tuple[str, ...] = _CHATML_STOP_TOKENS
 
     @property
     def grid_pinpoints(self) -> list[list[int]]:
@@ -543,6 +603,21 @@ _FAMILY_SPECS: dict[str, _Spec] = {
         chat_template=_AUDIOFLAMINGO3_CHAT_TEMPLATE,
     ),
     "llava_next": _LlavaNextFamily(),
+    "glm4v": _Family(
+        architecture="Glm4vForConditionalGeneration",
+        processor_class="Glm4vProcessor",
+        video_processor_type="Glm4vVideoProcessor",
+        added_tokens=_GLM4V_ADDED_TOKENS,
+        patch_size=14,
+        image_mean=_CLIP_MEAN,
+        image_std=_CLIP_STD,
+        rope_theta=10_000.0,
+        chat_template=_GLM4V_CHAT_TEMPLATE,
+        image_processor_type="Glm4vImageProcessor",
+        eos_token="<|endoftext|>",
+        # As released: the text's end, or the model starting the next user or tool turn.
+        stop_tokens=("<|endoftext|>", "<|user|>", "<|observation|>"),
+    ),
 }
 
 
@@ -702,7 +777,7 @@ def build_tiny_checkpoint(
         out / "generation_config.json",
         {
             "bos_token_id": token_ids["<|endoftext|>"],
-            "eos_token_id": [token_ids["<|im_end|>"], token_ids["<|endoftext|>"]],
+            "eos_token_id": [token_ids[token] for token in spec.stop_tokens],
             "pad_token_id": token_ids["<|endoftext|>"],
         },
     )
@@ -871,7 +946,7 @@ def _write_tokenizer_files(out: pathlib.Path, tokenizer: tokenizers.Tokenizer, s
         "add_prefix_space": False,
         "bos_token": None,
         "clean_up_tokenization_spaces": False,
-        "eos_token": "<|im_end|>",
+        "eos_token": spec.eos_token,
         "errors": "replace",
         "model_max_length": _MAX_POSITIONS,
         "pad_token": "<|endoftext|>",
@@ -931,9 +1006,12 @@ _WHISPER_AUDIO_CONFIG: dict[str, Any] = {
 
 
 def _build_config(family: str, spec: _Family, sizes: _Scale, *, vocab_size: int, token_ids: Mapping[str, int]) -> PreTrainedConfig:
-    """Builds the transformers model config (``Qwen2_5_VLConfig`` or ``Qwen3VLConfig``)."""
+    """Builds the transformers model config (``Qwen2_5_VLConfig``, ``Qwen3VLConfig`` or
+    ``Glm4vConfig``)."""
     import transformers
 
+    if family == "glm4v":
+        return _build_glm4v_config(spec, sizes, vocab_size=vocab_size, token_ids=token_ids)
     text_config: dict[str, Any] = _text_config(sizes, vocab_size) | {
         "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta, "mrope_section": _MROPE_SECTION},
         "pad_token_id": token_ids["<|endoftext|>"],
@@ -968,6 +1046,37 @@ def _build_config(family: str, spec: _Family, sizes: _Scale, *, vocab_size: int,
         video_token_id=token_ids["<|video_pad|>"],
         vision_start_token_id=token_ids["<|vision_start|>"],
         vision_end_token_id=token_ids["<|vision_end|>"],
+        tie_word_embeddings=False,
+        architectures=[spec.architecture],
+        dtype="float32",
+    )
+
+
+def _build_glm4v_config(spec: _Family, sizes: _Scale, *, vocab_size: int, token_ids: Mapping[str, int]) -> PreTrainedConfig:
+    """Builds the ``Glm4vConfig``: the Qwen-VL line's tower sizes (GLM-4.1V's tower takes the same
+    patch grids, with learned position embeddings over a 336 px grid as released), and a GLM-4 LM
+    that rotates half of each head (as released), so its M-RoPE sections are halved."""
+    import transformers
+
+    text_config: dict[str, Any] = _text_config(sizes, vocab_size) | {
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": spec.rope_theta,
+            "partial_rotary_factor": 0.5,
+            "mrope_section": [section // 2 for section in _MROPE_SECTION],
+        },
+        "pad_token_id": token_ids["<|endoftext|>"],
+        "dtype": "float32",
+    }
+    return transformers.Glm4vConfig(
+        text_config=text_config,
+        vision_config=_qwen_vision_config(spec, sizes) | {"image_size": 336},
+        image_token_id=token_ids["<|image|>"],
+        video_token_id=token_ids["<|video|>"],
+        image_start_token_id=token_ids["<|begin_of_image|>"],
+        image_end_token_id=token_ids["<|end_of_image|>"],
+        video_start_token_id=token_ids["<|begin_of_video|>"],
+        video_end_token_id=token_ids["<|end_of_video|>"],
         tie_word_embeddings=False,
         architectures=[spec.architecture],
         dtype="float32",
@@ -1178,7 +1287,7 @@ def _write_processor_configs(out: pathlib.Path, spec: _Family, sizes: _Scale) ->
     max_pixels = spec.max_pixels(sizes)
     # size.shortest_edge / size.longest_edge are pixel counts (min_pixels / max_pixels).
     image: dict[str, Any] = {
-        "image_processor_type": "Qwen2VLImageProcessor",
+        "image_processor_type": spec.image_processor_type,
         "size": {"shortest_edge": spec.min_pixels, "longest_edge": max_pixels},
     }
     if isinstance(spec, _OmniFamily):

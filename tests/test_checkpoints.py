@@ -195,7 +195,7 @@ def test_unknown_family_is_rejected(tmp_path: pathlib.Path) -> None:
         build_tiny_checkpoint("llava", tmp_path)
     assert FAMILIES + AUDIO_FAMILIES == ("qwen2_5_vl", "qwen3_vl", "qwen2_audio")
     assert ALL_FAMILIES == FAMILIES + AUDIO_FAMILIES + OMNI_FAMILIES + NON_QWEN_FAMILIES
-    assert OMNI_FAMILIES == ("qwen2_5_omni", "qwen3_omni_moe") and NON_QWEN_FAMILIES == ("audioflamingo3", "llava_next")
+    assert OMNI_FAMILIES == ("qwen2_5_omni", "qwen3_omni_moe") and NON_QWEN_FAMILIES == ("audioflamingo3", "llava_next", "glm4v")
     assert set(MODALITIES) == set(ALL_FAMILIES)
 
 
@@ -405,12 +405,14 @@ TOWER_PREFIXES = {
     "qwen3_omni_moe": ("thinker.visual.", "thinker.audio_tower."),
     "audioflamingo3": ("audio_tower.", "multi_modal_projector."),
     "llava_next": ("vision_tower.vision_model.", "multi_modal_projector.", "image_newline"),
+    "glm4v": ("model.visual.",),
 }
 LM_PREFIXES = {
     "qwen2_5_omni": ("thinker.model.", "thinker.lm_head."),
     "qwen3_omni_moe": ("thinker.model.", "thinker.lm_head."),
     "audioflamingo3": ("language_model.model.", "language_model.lm_head."),
     "llava_next": ("language_model.model.", "language_model.lm_head."),
+    "glm4v": ("model.language_model.", "lm_head."),
 }
 # What each family's chat template puts in place of an image, video or audio content part.
 PLACEHOLDERS = {
@@ -426,7 +428,14 @@ PLACEHOLDERS = {
     },
     "audioflamingo3": {"audio": "<sound>"},
     "llava_next": {"image": "<image>\n"},
+    "glm4v": {"image": "<|begin_of_image|><|image|><|end_of_image|>", "video": "<|begin_of_video|><|video|><|end_of_video|>"},
 }
+# How each family's template renders multimodal_messages ({} for its placeholders): ChatML with a
+# default system prompt, or the family's own turns.
+RENDERED_CHAT = {
+    "glm4v": "[gMASK]<sop><|user|>\n{}Describe this.<|assistant|>\n",
+}
+CHATML = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n{}Describe this.<|im_end|>\n<|im_start|>assistant\n"
 TOWER_SHARD = "model-00001-of-00003.safetensors"
 
 
@@ -533,7 +542,9 @@ def hf_greedy_multimodal(directory: pathlib.Path) -> dict[str, dict[str, list[in
             for seed in (0, 1):
                 inputs = hf_inputs(processor, text, modality, seed)
                 with torch.no_grad():
-                    generated = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False)
+                    # No stop token, as vLLM's ignore_eos: all NEW_TOKENS are compared (GLM-4.1V's
+                    # tiny model says "<|user|>", one of its stop tokens, within them).
+                    generated = model.generate(**inputs, max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None)
                 prompt_len = inputs["input_ids"].shape[1]
                 results[f"{modality}-{seed}"] = {
                     "prompt_token_ids": inputs["input_ids"][0].tolist(),
@@ -558,12 +569,13 @@ def test_multimodal_transformers_loads_processes_and_generates(multimodal_checkp
     assert config.model_type == family
     assert text_config.vocab_size == len(tokenizer)
     assert text_config.hidden_size == 128 and text_config.num_hidden_layers == 2
-    assert not text_config.tie_word_embeddings
+    # The field is the text config's, or (GLM-4.1V) the model config's.
+    assert not getattr(text_config, "tie_word_embeddings", None) and not getattr(config, "tie_word_embeddings", None)
     assert type(processor).__name__ == json.loads((directory / "processor_config.json").read_text())["processor_class"]
     if "audio" in MODALITIES[family]:
         assert type(processor.feature_extractor).__name__ == "WhisperFeatureExtractor"
         assert processor.feature_extractor.sampling_rate == AUDIO_RATE
-    assert tokenizer.eos_token == "<|im_end|>" and tokenizer.pad_token == "<|endoftext|>"
+    assert tokenizer.eos_token == ("<|endoftext|>" if family == "glm4v" else "<|im_end|>") and tokenizer.pad_token == "<|endoftext|>"
     token_id = tokenizer.convert_tokens_to_ids
     if family in OMNI_FAMILIES:
         thinker = config.thinker_config
@@ -589,6 +601,14 @@ def test_multimodal_transformers_loads_processes_and_generates(multimodal_checkp
             assert (text_config.num_experts, text_config.num_experts_per_tok) == (4, 2)
     elif family == "audioflamingo3":
         assert config.audio_token_id == processor.audio_token_id == token_id("<sound>")
+    elif family == "glm4v":
+        assert config.image_token_id == processor.image_token_id == token_id("<|image|>")
+        assert (config.image_start_token_id, config.image_end_token_id) == (token_id("<|begin_of_image|>"), token_id("<|end_of_image|>"))
+        assert type(processor.image_processor).__name__ == "Glm4vImageProcessor"
+        # GLM-4's rotary embedding turns half of each head, so M-RoPE's sections cover a quarter.
+        rope = text_config.rope_parameters
+        head_dim = text_config.hidden_size // text_config.num_attention_heads
+        assert rope["partial_rotary_factor"] == 0.5 and sum(rope["mrope_section"]) == head_dim // 4
     else:
         assert config.image_token_index == processor.image_token_id == token_id("<image>")
         assert type(processor.image_processor).__name__ == "LlavaNextImageProcessor"
@@ -599,21 +619,17 @@ def test_multimodal_transformers_loads_processes_and_generates(multimodal_checkp
     expected_parts = "".join(PLACEHOLDERS[family][m] for m in MODALITIES[family])
     for render in (processor.apply_chat_template, tokenizer.apply_chat_template):
         text = render(multimodal_messages(MODALITIES[family]), tokenize=False, add_generation_prompt=True)
-        assert text == (
-            "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-            f"<|im_start|>user\n{expected_parts}Describe this.<|im_end|>\n"
-            "<|im_start|>assistant\n"
-        )
+        assert text == RENDERED_CHAT.get(family, CHATML).format(expected_parts)
 
     # Every parameter is read from the checkpoint (none left at a fresh init). Qwen3-Omni's
     # experts are fused in memory; save_pretrained's own conversion splits them again.
     model = getattr(transformers, config.architectures[0]).from_pretrained(directory)
-    if family in OMNI_FAMILIES:
+    if family in ("audioflamingo3", "llava_next"):
+        state = {released_name(name): tensor for name, tensor in model.state_dict().items()}
+    else:
         from transformers.core_model_loading import revert_weight_conversion
 
         state = revert_weight_conversion(model, model.state_dict())
-    else:
-        state = {released_name(name): tensor for name, tensor in model.state_dict().items()}
     mapping = weight_map(directory)
     assert set(state) == set(mapping)
     for shard in sorted(set(mapping.values())):

@@ -1,12 +1,14 @@
 """Models beyond the Qwen-VL pair, with no code of ours per model: the Qwen2.5-Omni and Qwen3-Omni
-thinkers, NVIDIA's Audio Flamingo 3 and LLaVA-NeXT. Greedy tokens equal the monolithic vLLM run
-of the same request in E/P/D and E+PD (which ``test_equivalence.py`` compares with vLLM's own
-``LLM.chat`` for LLaVA-NeXT).
+thinkers, NVIDIA's Audio Flamingo 3, LLaVA-NeXT and GLM-4.1V. Greedy tokens equal the monolithic
+vLLM run of the same request in E/P/D and E+PD (which ``test_equivalence.py`` compares with
+vLLM's own ``LLM.chat`` for LLaVA-NeXT and GLM-4.1V).
 
 Every modality of these is metadata-only: no media reaches prefill or decode. vLLM declares the
 layout of Qwen2.5-Omni's, Qwen3-Omni's audio and Audio Flamingo 3's; EPD declares what vLLM 0.32
 leaves out (Qwen2.5-Omni's ``second_per_grid_ts``, Qwen3-Omni's image and video, LLaVA-NeXT's
-image: ``epd/compat/``), and the recording proxy proves it for the Omni thinkers and LLaVA-NeXT.
+and GLM-4.1V's image: ``epd/compat/``), and the recording proxy proves it for the Omni thinkers,
+LLaVA-NeXT and GLM-4.1V. GLM-4.1V's video is the exception: not declared yet, so not tested here
+(see the README's model table).
 
 Qwen2.5-Omni runs on one stack, in bfloat16 (the deployment dtype, where rounding makes identity
 hardest): its audio, image, video and audio-plus-image equivalence is ``test_bf16.py``'s, and its
@@ -56,6 +58,11 @@ CASES = {
         "image": lambda: [_image(30, 160, 90), "What do you see?"],
         "image_between_text": lambda: ["Look:", _image(31, 80, 150), "What is it?"],
         "two_images": lambda: [_image(32, 120, 120), _image(33, 200, 60), "Compare them."],
+    },
+    "glm4v": {
+        "image": lambda: [_image(40, 160, 90), "What do you see?"],
+        "image_between_text": lambda: ["Look:", _image(41, 80, 150), "What is it?"],
+        "two_images": lambda: [_image(42, 120, 120), _image(43, 200, 60), "Compare them."],
     },
 }
 PARAMS = [(family, case) for family, cases in CASES.items() for case in cases]
@@ -109,11 +116,12 @@ async def test_omni_metadata_only_path_carries_no_media(family_stack, family):
     assert await wait_for_metric(family_stack.encoder.metrics_port, "epd_arena_leases", 0.0) == 0.0
 
 
-@pytest.mark.parametrize("family", ["llava_next"])
-async def test_llava_next_images_reach_prefill_and_decode_as_metadata_only(family_stack, family):
-    """vLLM 0.32 declares no metadata-only layout for LLaVA-NeXT; with EPD's declaration of its
-    ``image_sizes`` (epd/compat/vllm_llava_next.py) the encoder publishes each image's size, and
-    prefill and decode lay the image out from it: neither sees a pixel."""
+@pytest.mark.parametrize("family", ["llava_next", "glm4v"])
+async def test_images_declared_by_epd_reach_prefill_and_decode_as_metadata_only(family_stack, family):
+    """vLLM 0.32 declares no metadata-only image layout for LLaVA-NeXT and GLM-4.1V; with EPD's
+    declarations (epd/compat/vllm_llava_next.py: ``image_sizes``; vllm_glm4v.py: the patch grid)
+    the encoder publishes what lays each image out, and prefill and decode lay it out from that:
+    neither sees a pixel."""
     wide, tall = _image(34, 200, 70), _image(35, 70, 180)
     request = chat_request([wide, tall, "Which is wider?"], max_tokens=16, min_tokens=MIN_TOKENS)
     oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=180)
@@ -121,8 +129,12 @@ async def test_llava_next_images_reach_prefill_and_decode_as_metadata_only(famil
     assert result.token_ids == oracle.token_ids
     assert all(png[:64] not in body for png, _ in (wide, tall) for body in (decode_body, prefill_body))
     for items in (prefill_pb2.PrefillRequest.FromString(prefill_body).items, decode_pb2.DecodeRequest.FromString(decode_body).items):
-        sizes = [list(item.metadata.engine_fields["image_sizes"].int_values) for item in items]
-        assert sizes == [[70, 200], [180, 70]]  # (height, width), as the processor records them
+        if family == "llava_next":
+            sizes = [list(item.metadata.engine_fields["image_sizes"].int_values) for item in items]
+            assert sizes == [[70, 200], [180, 70]]  # (height, width), as the processor records them
+        else:
+            grids = [(item.metadata.grid_thw.t, item.metadata.grid_thw.h, item.metadata.grid_thw.w) for item in items]
+            assert grids[0][0] == grids[1][0] == 1 and grids[0][2] > grids[0][1] and grids[1][1] > grids[1][2]  # wide, then tall
         assert not any(item.metadata.layout_needs_media or item.HasField("forwarded_media") for item in items)
         # Different tile grids: the wide and the tall image take different token counts.
         assert items[0].metadata.placeholder_count != items[1].metadata.placeholder_count
