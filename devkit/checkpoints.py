@@ -1,13 +1,14 @@
 """Tiny random-weight multimodal checkpoints (Qwen-VL, Qwen2-Audio, Qwen Omni thinkers, Audio
-Flamingo 3, LLaVA-NeXT), built offline and deterministically.
+Flamingo 3, LLaVA-NeXT, GLM-4.1V, InternVL 3), built offline and deterministically.
 
 No vision- or audio-language weights can be downloaded here, so tests, benchmarks and the
 demo run on checkpoints that this module builds from a seed: a byte-level BPE tokenizer
 trained on a made-up corpus, Hugging Face configs for the model, tokenizer and processors, and
 random float32 weights in sharded safetensors. The result loads in transformers and in vLLM
 exactly like a real Qwen2.5-VL, Qwen3-VL, Qwen2-Audio, Qwen2.5-Omni, Qwen3-Omni (MoE), Audio
-Flamingo 3 or LLaVA-NeXT checkpoint, only a few MB large. The Omni checkpoints hold the thinker only (image,
-video and audio in, text out; ``enable_audio_output`` false), which is all vLLM serves of them.
+Flamingo 3, LLaVA-NeXT, GLM-4.1V or InternVL 3 checkpoint, only a few MB large. The Omni
+checkpoints hold the thinker only (image, video and audio in, text out;
+``enable_audio_output`` false), which is all vLLM serves of them.
 
 Layout of a built checkpoint::
 
@@ -16,7 +17,7 @@ Layout of a built checkpoint::
     tokenizer.json, tokenizer_config.json
     chat_template.jinja                 read by both AutoTokenizer and AutoProcessor
     preprocessor_config.json            image processor and/or Whisper feature extractor
-    video_preprocessor_config.json      video processor (Qwen vision and Omni families only)
+    video_preprocessor_config.json      video processor (families that take video)
     processor_config.json               processor class
     spk_dict.pt                         Qwen2.5-Omni only: no talker voices (an empty dict)
     model-00001-of-00003.safetensors    the tower only (vision and/or audio tower + projector)
@@ -68,9 +69,9 @@ AUDIO_FAMILIES: tuple[str, ...] = ("qwen2_audio",)
 # Qwen Omni thinkers (text out only): a vision tower and an audio tower in front of one LM.
 OMNI_FAMILIES: tuple[str, ...] = ("qwen2_5_omni", "qwen3_omni_moe")
 # Families from outside Qwen: NVIDIA's Audio Flamingo 3 (Whisper-style tower, Qwen2 LM),
-# LLaVA-NeXT (a CLIP tower over "anyres" tiles, a Llama LM) and Zhipu's GLM-4.1V (a Qwen2-VL-like
-# patch-grid tower, a GLM-4 LM).
-NON_QWEN_FAMILIES: tuple[str, ...] = ("audioflamingo3", "llava_next", "glm4v")
+# LLaVA-NeXT (a CLIP tower over "anyres" tiles, a Llama LM), Zhipu's GLM-4.1V (a Qwen2-VL-like
+# patch-grid tower, a GLM-4 LM) and OpenGVLab's InternVL (InternViT over tiles, a Qwen2 LM).
+NON_QWEN_FAMILIES: tuple[str, ...] = ("audioflamingo3", "llava_next", "glm4v", "internvl")
 ALL_FAMILIES: tuple[str, ...] = FAMILIES + AUDIO_FAMILIES + OMNI_FAMILIES + NON_QWEN_FAMILIES
 # The media each family takes, as vLLM names the modalities.
 MODALITIES: dict[str, tuple[str, ...]] = {
@@ -82,6 +83,7 @@ MODALITIES: dict[str, tuple[str, ...]] = {
     "audioflamingo3": ("audio",),
     "llava_next": ("image",),
     "glm4v": ("image", "video"),
+    "internvl": ("image", "video"),
 }
 
 # Language-model and vision-tower sizes are per scale (see _SCALES) and shared by every
@@ -227,6 +229,25 @@ _LLAVA_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
     ("<image>", True),
 )
 
+# InternVL3 ("-hf" releases): Qwen2.5's ChatML tokens, then the image markers, the image context
+# placeholder (repeated per feature) and the video placeholder.
+_INTERNVL_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
+    ("<|endoftext|>", True),
+    ("<|im_start|>", True),
+    ("<|im_end|>", True),
+    ("<img>", True),
+    ("</img>", True),
+    ("<IMG_CONTEXT>", True),
+    ("<video>", True),
+)
+# InternVL's processor reads its tokens from tokenizer attributes (extra_special_tokens).
+_INTERNVL_TOKEN_ATTRIBUTES: tuple[tuple[str, str], ...] = (
+    ("start_image_token", "<img>"),
+    ("end_image_token", "</img>"),
+    ("context_image_token", "<IMG_CONTEXT>"),
+    ("video_token", "<video>"),
+)
+
 # GLM-4.1V (zai-org/GLM-4.1V-9B-Thinking): GLM-4's turn and mask tokens, then its image and video
 # markers and placeholders, in the released order.
 _GLM4V_ADDED_TOKENS: tuple[tuple[str, bool], ...] = tuple(
@@ -320,10 +341,11 @@ _AUDIO_CHAT_TEMPLATE = (
 )
 
 
-def _one_modality_chat_template(modality: str, placeholder: str) -> str:
-    """ChatML turns with a default system prompt, and ``placeholder`` in place of each content part
-    of ``modality`` (recognised like the other templates: by ``type``, or by a ``<modality>`` or
-    ``<modality>_url`` key)."""
+def _chatml_template(placeholders: Mapping[str, str]) -> str:
+    """ChatML turns with a default system prompt, and a modality's placeholder (``placeholders``)
+    in place of each of its content parts (recognised like the other templates: by ``type``, or by
+    a ``<modality>`` or ``<modality>_url`` key)."""
+    branches = [f"content['type'] == '{m}' or '{m}' in content or '{m}_url' in content %}}{p}" for m, p in placeholders.items()]
     return (
         "{% for message in messages %}"
         "{% if loop.first and message['role'] != 'system' %}"
@@ -332,8 +354,7 @@ def _one_modality_chat_template(modality: str, placeholder: str) -> str:
         "<|im_start|>{{ message['role'] }}\n"
         "{% if message['content'] is string %}{{ message['content'] }}"
         "{% else %}{% for content in message['content'] %}"
-        f"{{% if content['type'] == '{modality}' or '{modality}' in content or '{modality}_url' in content %}}{placeholder}"
-        "{% elif 'text' in content %}{{ content['text'] }}"
+        "{% if " + "{% elif ".join(branches) + "{% elif 'text' in content %}{{ content['text'] }}"
         "{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
         "{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -342,9 +363,11 @@ def _one_modality_chat_template(modality: str, placeholder: str) -> str:
 
 # Audio Flamingo 3: a bare <sound> per audio part, which its processor (and vLLM) expand to one
 # placeholder per audio frame.
-_AUDIOFLAMINGO3_CHAT_TEMPLATE = _one_modality_chat_template("audio", "<sound>")
+_AUDIOFLAMINGO3_CHAT_TEMPLATE = _chatml_template({"audio": "<sound>"})
 # LLaVA (llava-hf's LLaVA-OneVision and interleave releases): "<image>\n" per image part.
-_LLAVA_CHAT_TEMPLATE = _one_modality_chat_template("image", "<image>\n")
+_LLAVA_CHAT_TEMPLATE = _chatml_template({"image": "<image>\n"})
+# InternVL (OpenGVLab's "-hf" releases): its image context token and "<video>", each on a line.
+_INTERNVL_CHAT_TEMPLATE = _chatml_template({"image": "<IMG_CONTEXT>\n", "video": "<video>\n"})
 
 
 # GLM-4.1V's template: a "[gMASK]<sop>" prefix, <|role|> turns without end markers, and a
@@ -539,7 +562,38 @@ class _LlavaNextFamily:
         return [[tile, 2 * tile], [2 * tile, tile], [2 * tile, 2 * tile]]
 
 
-_Spec = _Family | _AudioFamily | _LlavaNextFamily
+@dataclass(frozen=True)
+class _InternVLFamily:
+    """InternVL 3 (transformers' native ``internvl``): InternViT over 448 px tiles (the image cut
+    into up to ``max_tiles`` tiles by its aspect ratio, plus a thumbnail when there are several),
+    each tile's patches pixel-shuffled 2 x 2 into ``(tile_px / patch_size / 2) ** 2`` features, an
+    MLP projector and a Qwen2 LM. A video is one tile per frame.
+
+    Attributes:
+        tile_px: the tower's input edge, and so a tile's (448 in the released models).
+        max_tiles: most tiles per image (12 released).
+        token_attributes: the tokenizer attributes the processor reads, as (name, token).
+        The rest: as :class:`_LlavaNextFamily`'s.
+    """
+
+    architecture: str = "InternVLForConditionalGeneration"
+    processor_class: str = "InternVLProcessor"
+    added_tokens: tuple[tuple[str, bool], ...] = _INTERNVL_ADDED_TOKENS
+    token_attributes: tuple[tuple[str, str], ...] = _INTERNVL_TOKEN_ATTRIBUTES
+    tile_px: int = 56  # 4 x 4 patches: 2 x 2 features a tile
+    max_tiles: int = 4
+    patch_size: int = 14
+    rope_theta: float = 1_000_000.0
+    chat_template: str = _INTERNVL_CHAT_TEMPLATE
+    eos_token: str = _CHATML_EOS
+    stop_tokens: tuple[str, ...] = _CHATML_STOP_TOKENS
+
+    @property
+    def features_per_tile(self) -> int:
+        return (self.tile_px // self.patch_size // 2) ** 2
+
+
+_Spec = _Family | _AudioFamily | _LlavaNextFamily | _InternVLFamily
 _FAMILY_SPECS: dict[str, _Spec] = {
     "qwen2_5_vl": _Family(
         architecture="Qwen2_5_VLForConditionalGeneration",
@@ -603,6 +657,7 @@ _FAMILY_SPECS: dict[str, _Spec] = {
         chat_template=_AUDIOFLAMINGO3_CHAT_TEMPLATE,
     ),
     "llava_next": _LlavaNextFamily(),
+    "internvl": _InternVLFamily(),
     "glm4v": _Family(
         architecture="Glm4vForConditionalGeneration",
         processor_class="Glm4vProcessor",
@@ -723,7 +778,8 @@ _AUDIO_TOWER_PREFIXES = ("audio_tower.", "multi_modal_projector.")
 # drops the inner ``vision_model.`` and maps it back on loading; vLLM reads only the released
 # names), then the projector and the newline embedding at the top level.
 _LLAVA_CLIP_PREFIX, _LLAVA_CLIP_DISK_PREFIX = "vision_tower.", "vision_tower.vision_model."
-_LLAVA_TOWER_PREFIXES = ("vision_tower.", "multi_modal_projector.", "image_newline")
+# The modules of a LLaVA-style tower (LLaVA-NeXT, InternVL), wherever they sit in a name.
+_VISION_TOWER_MODULES = frozenset({"vision_tower", "multi_modal_projector", "image_newline"})
 
 
 def build_tiny_checkpoint(
@@ -768,6 +824,8 @@ def build_tiny_checkpoint(
         config = _build_audio_config(family, spec, sizes, vocab_size=tokenizer.get_vocab_size(), token_ids=token_ids)
     elif isinstance(spec, _LlavaNextFamily):
         config = _build_llava_next_config(spec, sizes, vocab_size=tokenizer.get_vocab_size(), token_ids=token_ids)
+    elif isinstance(spec, _InternVLFamily):
+        config = _build_internvl_config(spec, sizes, vocab_size=tokenizer.get_vocab_size(), token_ids=token_ids)
     elif isinstance(spec, _OmniFamily):
         config = _build_omni_config(family, spec, sizes, vocab_size=tokenizer.get_vocab_size(), token_ids=token_ids, tokenizer=tokenizer)
     else:
@@ -785,6 +843,8 @@ def build_tiny_checkpoint(
         _write_audio_processor_configs(out, spec)
     elif isinstance(spec, _LlavaNextFamily):
         _write_llava_next_processor_configs(out, spec)
+    elif isinstance(spec, _InternVLFamily):
+        _write_internvl_processor_configs(out, spec)
     else:
         _write_processor_configs(out, spec, sizes)
     if isinstance(spec, _OmniFamily) and spec.speaker_file:
@@ -875,7 +935,7 @@ def _scale(scale: str) -> _Scale:
 
 def _is_complete(path: pathlib.Path, spec: _Spec) -> bool:
     """Whether ``path`` holds every file a built checkpoint of ``spec`` has, shards included."""
-    required = _REQUIRED_FILES + _VISION_REQUIRED_FILES if isinstance(spec, _Family) else _REQUIRED_FILES
+    required = _REQUIRED_FILES + _VISION_REQUIRED_FILES if isinstance(spec, (_Family, _InternVLFamily)) else _REQUIRED_FILES
     if isinstance(spec, _OmniFamily) and spec.speaker_file:
         required += (_SPEAKER_FILE,)
     if not all((path / name).is_file() for name in required):
@@ -955,7 +1015,7 @@ def _write_tokenizer_files(out: pathlib.Path, tokenizer: tokenizers.Tokenizer, s
         "tokenizer_class": "Qwen2Tokenizer",
         "unk_token": None,
     }
-    if isinstance(spec, _OmniFamily):
+    if isinstance(spec, (_OmniFamily, _InternVLFamily)):
         # transformers 5 sets these as tokenizer attributes (tokenizer.image_token, ...).
         config["extra_special_tokens"] = dict(spec.token_attributes)
     _write_json(out / "tokenizer_config.json", config)
@@ -1077,6 +1137,43 @@ def _build_glm4v_config(spec: _Family, sizes: _Scale, *, vocab_size: int, token_
         image_end_token_id=token_ids["<|end_of_image|>"],
         video_start_token_id=token_ids["<|begin_of_video|>"],
         video_end_token_id=token_ids["<|end_of_video|>"],
+        tie_word_embeddings=False,
+        architectures=[spec.architecture],
+        dtype="float32",
+    )
+
+
+def _build_internvl_config(spec: _InternVLFamily, sizes: _Scale, *, vocab_size: int, token_ids: Mapping[str, int]) -> PreTrainedConfig:
+    """Builds the ``InternVLConfig``: the scale's tower sizes as an InternViT over the tile edge,
+    the scale's LM as a Qwen2, and the released feature choices (the last tower layer, pixel
+    shuffle by half)."""
+    import transformers
+
+    text_config: dict[str, Any] = _text_config(sizes, vocab_size) | {
+        "model_type": "qwen2",
+        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
+        "bos_token_id": token_ids["<|endoftext|>"],
+        "eos_token_id": token_ids["<|im_end|>"],
+        "pad_token_id": token_ids["<|endoftext|>"],
+        "tie_word_embeddings": False,
+        "dtype": "float32",
+    }
+    vision_config = {
+        "hidden_size": sizes.vision_hidden,
+        "intermediate_size": sizes.vision_intermediate,
+        "num_hidden_layers": sizes.vision_depth,
+        "num_attention_heads": sizes.vision_heads,
+        "image_size": [spec.tile_px, spec.tile_px],
+        "patch_size": [spec.patch_size, spec.patch_size],
+        "initializer_range": sizes.vision_init_std,
+    }
+    return transformers.InternVLConfig(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=token_ids["<IMG_CONTEXT>"],
+        image_seq_length=spec.features_per_tile,
+        downsample_ratio=0.5,
+        vision_feature_layer=-1,
         tie_word_embeddings=False,
         architectures=[spec.architecture],
         dtype="float32",
@@ -1342,6 +1439,27 @@ def _write_llava_next_processor_configs(out: pathlib.Path, spec: _LlavaNextFamil
     _write_json(out / "processor_config.json", processor)
 
 
+def _write_internvl_processor_configs(out: pathlib.Path, spec: _InternVLFamily) -> None:
+    """Writes the tiling image processor's config, the video processor's (one tile a frame) and
+    the processor's (features per tile)."""
+    shared = {
+        "processor_class": spec.processor_class,
+        "size": {"height": spec.tile_px, "width": spec.tile_px},
+        "image_mean": _CLIP_MEAN,
+        "image_std": _CLIP_STD,
+        "do_resize": True,
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "do_convert_rgb": True,
+        "resample": 3,  # bicubic
+    }
+    tiles = {"crop_to_patches": True, "min_patches": 1, "max_patches": spec.max_tiles}
+    _write_json(out / "preprocessor_config.json", shared | tiles | {"image_processor_type": "GotOcr2ImageProcessor"})
+    _write_json(out / "video_preprocessor_config.json", shared | {"video_processor_type": "InternVLVideoProcessor", "initial_shift": True})
+    _write_json(out / "processor_config.json", {"processor_class": spec.processor_class, "image_seq_length": spec.features_per_tile})
+
+
 def _write_audio_processor_configs(out: pathlib.Path, spec: _AudioFamily) -> None:
     """Writes the Whisper feature extractor config (the released Qwen2-Audio's settings) and
     the processor config."""
@@ -1388,7 +1506,8 @@ def _write_sharded_weights(out: pathlib.Path, config: PreTrainedConfig, num_shar
     with torch.device("meta"):
         model = getattr(transformers, config.architectures[0])(config)
     shapes, is_tower = _on_disk(config, model)
-    llava = config.model_type == "llava_next"
+    # A projector after an audio tower is the audio tower's; after a vision tower, the vision's.
+    has_audio = hasattr(config, "audio_config") or hasattr(getattr(config, "thinker_config", None), "audio_config")
 
     num_layers = config.get_text_config().num_hidden_layers
     names_by_shard: dict[int, list[str]] = {index: [] for index in range(1, num_shards + 1)}
@@ -1403,7 +1522,7 @@ def _write_sharded_weights(out: pathlib.Path, config: PreTrainedConfig, num_shar
                 name,
                 tuple(shapes[name].shape),
                 seed=vision_seed if is_tower(name) else seed,
-                std=vision_std if llava and is_tower(name) else _init_std(name, vision_std),
+                std=_init_std(name, vision_std, tower=is_tower(name), audio=has_audio and _is_audio_tower_tensor(name)),
             )
             for name in names
         }
@@ -1424,10 +1543,13 @@ def _on_disk(config: PreTrainedConfig, model: Any) -> tuple[dict[str, torch.Tens
 
     if config.model_type in ("qwen2_audio", "audioflamingo3"):
         return {_qwen2_audio_disk_name(name): tensor for name, tensor in model.state_dict().items()}, _is_tower_tensor
+    if config.model_type == "internvl":
+        # The "-hf" releases are saved by transformers itself: its in-memory names.
+        return model.state_dict(), _is_vision_tower_tensor
     shapes = revert_weight_conversion(model, model.state_dict())
     if config.model_type == "llava_next":
         clip = _LLAVA_CLIP_PREFIX
-        return {_LLAVA_CLIP_DISK_PREFIX + name.removeprefix(clip) if name.startswith(clip) else name: t for name, t in shapes.items()}, _is_llava_tower_tensor
+        return {_LLAVA_CLIP_DISK_PREFIX + name.removeprefix(clip) if name.startswith(clip) else name: t for name, t in shapes.items()}, _is_vision_tower_tensor
     return shapes, _is_tower_tensor
 
 
@@ -1447,20 +1569,19 @@ def _is_tower_tensor(name: str) -> bool:
     return "visual" in name.split(".") or _is_audio_tower_tensor(name)
 
 
-def _is_llava_tower_tensor(name: str) -> bool:
-    return name.startswith(_LLAVA_TOWER_PREFIXES)
+def _is_vision_tower_tensor(name: str) -> bool:
+    return not _VISION_TOWER_MODULES.isdisjoint(name.split("."))
 
 
 def _is_audio_tower_tensor(name: str) -> bool:
     return name.startswith(_AUDIO_TOWER_PREFIXES) or "audio_tower" in name.split(".")
 
 
-def _init_std(name: str, vision_std: float) -> float:
-    """Std of the normal init of a weight matrix, by role (see ``_TEXT_INIT_STD``)."""
-    if _is_audio_tower_tensor(name):
-        return _AUDIO_INIT_STD
-    if _is_tower_tensor(name):
-        return vision_std
+def _init_std(name: str, vision_std: float, *, tower: bool, audio: bool) -> float:
+    """Std of the normal init of a weight matrix, by role (see ``_TEXT_INIT_STD``): the audio or
+    vision tower's, else the language model's."""
+    if tower:
+        return _AUDIO_INIT_STD if audio else vision_std
     return _EMBED_INIT_STD if "embed_tokens" in name.split(".") else _TEXT_INIT_STD
 
 

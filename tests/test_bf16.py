@@ -1,7 +1,8 @@
 """bfloat16, the dtype of every GPU deployment: disaggregated greedy tokens equal monolithic bf16
 ones, for an image, a video, an audio clip and an Omni prompt mixing audio and an image, on the
 Qwen2.5-Omni thinker (one bf16 stack serves all four: CI time is tight). It is the suite's only
-Qwen2.5-Omni stack, so these are also that model's equivalence tests.
+Qwen2.5-Omni stack, so these are also that model's equivalence tests. Two families from outside
+Qwen get bf16 stacks of their own: LLaVA-NeXT (images) and InternVL 3 (an image and a video).
 
 They can only, because the encoder runs vLLM's own tower. The last test keeps the reason in
 view: Hugging Face's tower, given the same image and weights in bf16, rounds differently.
@@ -44,6 +45,22 @@ CASES = {
 @pytest.mark.parametrize("mode", ["epd", "epd-combined"])
 async def test_bf16_greedy_tokens_match_monolithic(family_stack, family, case, mode):
     await assert_matches_monolithic(family_stack, CASES[case](), mode, max_tokens=24)
+
+
+NON_QWEN_CASES = {
+    stack_key("llava_next", BF16): {
+        "two_images": lambda: [(synthetic_image_png(200, 70, seed=96), "image/png"), (PNG, "image/png"), "Compare."],
+    },
+    stack_key("internvl", BF16): {
+        "image_and_video": lambda: [(PNG, "image/png"), (synthetic_video(96, 64, 12, fps=8.0, seed=97), "video/mp4"), "Same scene?"],
+    },
+}
+
+
+@pytest.mark.parametrize(("family", "case"), [(family, case) for family, cases in NON_QWEN_CASES.items() for case in cases])
+@pytest.mark.parametrize("mode", ["epd", "epd-combined"])
+async def test_bf16_non_qwen_greedy_tokens_match_monolithic(family_stack, family, case, mode):
+    await assert_matches_monolithic(family_stack, NON_QWEN_CASES[family][case](), mode, max_tokens=24)
 
 
 def _hf_tower_embedding(model: str) -> torch.Tensor:

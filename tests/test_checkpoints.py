@@ -195,7 +195,7 @@ def test_unknown_family_is_rejected(tmp_path: pathlib.Path) -> None:
         build_tiny_checkpoint("llava", tmp_path)
     assert FAMILIES + AUDIO_FAMILIES == ("qwen2_5_vl", "qwen3_vl", "qwen2_audio")
     assert ALL_FAMILIES == FAMILIES + AUDIO_FAMILIES + OMNI_FAMILIES + NON_QWEN_FAMILIES
-    assert OMNI_FAMILIES == ("qwen2_5_omni", "qwen3_omni_moe") and NON_QWEN_FAMILIES == ("audioflamingo3", "llava_next", "glm4v")
+    assert OMNI_FAMILIES == ("qwen2_5_omni", "qwen3_omni_moe") and NON_QWEN_FAMILIES == ("audioflamingo3", "llava_next", "glm4v", "internvl")
     assert set(MODALITIES) == set(ALL_FAMILIES)
 
 
@@ -406,6 +406,7 @@ TOWER_PREFIXES = {
     "audioflamingo3": ("audio_tower.", "multi_modal_projector."),
     "llava_next": ("vision_tower.vision_model.", "multi_modal_projector.", "image_newline"),
     "glm4v": ("model.visual.",),
+    "internvl": ("model.vision_tower.", "model.multi_modal_projector."),
 }
 LM_PREFIXES = {
     "qwen2_5_omni": ("thinker.model.", "thinker.lm_head."),
@@ -413,6 +414,7 @@ LM_PREFIXES = {
     "audioflamingo3": ("language_model.model.", "language_model.lm_head."),
     "llava_next": ("language_model.model.", "language_model.lm_head."),
     "glm4v": ("model.language_model.", "lm_head."),
+    "internvl": ("model.language_model.", "lm_head."),
 }
 # What each family's chat template puts in place of an image, video or audio content part.
 PLACEHOLDERS = {
@@ -429,6 +431,7 @@ PLACEHOLDERS = {
     "audioflamingo3": {"audio": "<sound>"},
     "llava_next": {"image": "<image>\n"},
     "glm4v": {"image": "<|begin_of_image|><|image|><|end_of_image|>", "video": "<|begin_of_video|><|video|><|end_of_video|>"},
+    "internvl": {"image": "<IMG_CONTEXT>\n", "video": "<video>\n"},
 }
 # How each family's template renders multimodal_messages ({} for its placeholders): ChatML with a
 # default system prompt, or the family's own turns.
@@ -609,6 +612,13 @@ def test_multimodal_transformers_loads_processes_and_generates(multimodal_checkp
         rope = text_config.rope_parameters
         head_dim = text_config.hidden_size // text_config.num_attention_heads
         assert rope["partial_rotary_factor"] == 0.5 and sum(rope["mrope_section"]) == head_dim // 4
+    elif family == "internvl":
+        assert config.image_token_id == processor.image_token_id == token_id("<IMG_CONTEXT>")
+        assert (processor.start_image_token, processor.end_image_token, processor.video_token) == ("<img>", "</img>", "<video>")
+        assert type(processor.image_processor).__name__ == "GotOcr2ImageProcessor"
+        # Each tile's patches, pixel-shuffled 2 x 2, are the context tokens the processor puts per tile.
+        patches = config.vision_config.image_size[0] // config.vision_config.patch_size[0]
+        assert processor.image_seq_length == config.image_seq_length == (patches // 2) ** 2
     else:
         assert config.image_token_index == processor.image_token_id == token_id("<image>")
         assert type(processor.image_processor).__name__ == "LlavaNextImageProcessor"
@@ -626,6 +636,8 @@ def test_multimodal_transformers_loads_processes_and_generates(multimodal_checkp
     model = getattr(transformers, config.architectures[0]).from_pretrained(directory)
     if family in ("audioflamingo3", "llava_next"):
         state = {released_name(name): tensor for name, tensor in model.state_dict().items()}
+    elif family == "internvl":
+        state = model.state_dict()  # saved by transformers itself, as the "-hf" releases are
     else:
         from transformers.core_model_loading import revert_weight_conversion
 
@@ -696,8 +708,21 @@ def test_multimodal_vllm_matches_transformers_greedy(multimodal_checkpoints: dic
     assert sorted(vllm_result) == sorted(hf_result)
     for request, expected in hf_result.items():
         # Same prompt after placeholder expansion, then the same greedy tokens (float32).
-        assert vllm_result[request]["prompt_token_ids"] == expected["prompt_token_ids"], request
+        assert _features_marked_alike(family, vllm_result[request]["prompt_token_ids"], directory) == expected["prompt_token_ids"], request
         assert vllm_result[request]["token_ids"] == expected["token_ids"], request
+
+
+def _features_marked_alike(family: str, prompt_ids: list[int], directory: pathlib.Path) -> list[int]:
+    """vLLM's expanded prompt with InternVL's video frame features marked as transformers marks
+    them: vLLM puts ``<video>`` where transformers puts ``<IMG_CONTEXT>``. Neither id reaches the
+    model (the features replace both), so only the marking differs."""
+    if family != "internvl":
+        return prompt_ids
+    from transformers import AutoTokenizer
+
+    token_id = AutoTokenizer.from_pretrained(directory).convert_tokens_to_ids
+    video, context = token_id("<video>"), token_id("<IMG_CONTEXT>")
+    return [context if token == video else token for token in prompt_ids]
 
 
 def tiny_llm(directory: str, *, max_model_len: int, limit_mm_per_prompt: dict[str, int]) -> Any:

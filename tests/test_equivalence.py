@@ -43,9 +43,9 @@ CHATS = {
     ],
 }
 CHAT_MAX_TOKENS = 24
-# The image families whose monolithic oracle is checked against LLM.chat here; LLaVA-NeXT's and
-# GLM-4.1V's disaggregated runs are compared with that oracle in test_models.py.
-CHAT_FAMILIES = (*FAMILIES, "llava_next", "glm4v")
+# The image families whose monolithic oracle is checked against LLM.chat here; LLaVA-NeXT's,
+# GLM-4.1V's and InternVL's disaggregated runs are compared with that oracle in test_models.py.
+CHAT_FAMILIES = (*FAMILIES, "llava_next", "glm4v", "internvl")
 
 
 def _chat_request(messages: list[tuple[str, list]]) -> gateway_pb2.GenerateRequest:

@@ -64,6 +64,13 @@ CASES = {
         "image_between_text": lambda: ["Look:", _image(41, 80, 150), "What is it?"],
         "two_images": lambda: [_image(42, 120, 120), _image(43, 200, 60), "Compare them."],
     },
+    # Wide, tall and square images are cut into different tile counts.
+    "internvl": {
+        "image": lambda: [_image(50, 160, 90), "What do you see?"],
+        "two_images": lambda: [_image(51, 120, 120), _image(52, 60, 200), "Compare them."],
+        "video": lambda: [_clip(53), "What happens?"],
+        "image_and_video": lambda: ["First:", _image(54, 200, 60), "then:", _clip(55), "Same scene?"],
+    },
 }
 PARAMS = [(family, case) for family, cases in CASES.items() for case in cases]
 
@@ -116,22 +123,35 @@ async def test_omni_metadata_only_path_carries_no_media(family_stack, family):
     assert await wait_for_metric(family_stack.encoder.metrics_port, "epd_arena_leases", 0.0) == 0.0
 
 
-@pytest.mark.parametrize("family", ["llava_next", "glm4v"])
-async def test_images_declared_by_epd_reach_prefill_and_decode_as_metadata_only(family_stack, family):
-    """vLLM 0.32 declares no metadata-only image layout for LLaVA-NeXT and GLM-4.1V; with EPD's
-    declarations (epd/compat/vllm_llava_next.py: ``image_sizes``; vllm_glm4v.py: the patch grid)
-    the encoder publishes what lays each image out, and prefill and decode lay it out from that:
-    neither sees a pixel."""
-    wide, tall = _image(34, 200, 70), _image(35, 70, 180)
-    request = chat_request([wide, tall, "Which is wider?"], max_tokens=16, min_tokens=MIN_TOKENS)
+# Two images each family lays out differently (wide, then tall or square), and an InternVL video.
+DECLARED_LAYOUT_MEDIA = {
+    "llava_next": lambda: [_image(34, 200, 70), _image(35, 70, 180)],
+    "glm4v": lambda: [_image(34, 200, 70), _image(35, 70, 180)],
+    "internvl": lambda: [_image(34, 200, 70), _image(35, 120, 120), _clip(36)],
+}
+
+
+@pytest.mark.parametrize("family", list(DECLARED_LAYOUT_MEDIA))
+async def test_items_declared_by_epd_reach_prefill_and_decode_as_metadata_only(family_stack, family):
+    """vLLM 0.32 declares no metadata-only layout for LLaVA-NeXT's, GLM-4.1V's and InternVL's
+    images, nor InternVL's videos; with EPD's declarations (epd/compat/vllm_llava_next.py:
+    ``image_sizes``; vllm_glm4v.py: the patch grid; vllm_internvl.py: the tile counts) the encoder
+    publishes what lays each item out, and prefill and decode lay it out from that: neither sees a
+    pixel."""
+    media = DECLARED_LAYOUT_MEDIA[family]()
+    request = chat_request([*media, "Which is wider?"], max_tokens=16, min_tokens=MIN_TOKENS)
     oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=180)
     result, (prefill_body,), (decode_body,) = await generate_through_taps(family_stack, request, "epd")
     assert result.token_ids == oracle.token_ids
-    assert all(png[:64] not in body for png, _ in (wide, tall) for body in (decode_body, prefill_body))
+    assert all(data[:64] not in body for data, _ in media for body in (decode_body, prefill_body))
     for items in (prefill_pb2.PrefillRequest.FromString(prefill_body).items, decode_pb2.DecodeRequest.FromString(decode_body).items):
         if family == "llava_next":
             sizes = [list(item.metadata.engine_fields["image_sizes"].int_values) for item in items]
             assert sizes == [[70, 200], [180, 70]]  # (height, width), as the processor records them
+        elif family == "internvl":
+            tiles = [list(item.metadata.engine_fields[f"{kind}_num_patches"].int_values) for item, kind in zip(items, ("image", "image", "video"), strict=True)]
+            # Tiles and a thumbnail: 3 x 1 for the wide image, 2 x 2 for the square one; a tile a frame.
+            assert tiles[:2] == [[4], [5]] and tiles[2][0] > 1
         else:
             grids = [(item.metadata.grid_thw.t, item.metadata.grid_thw.h, item.metadata.grid_thw.w) for item in items]
             assert grids[0][0] == grids[1][0] == 1 and grids[0][2] > grids[0][1] and grids[1][1] > grids[1][2]  # wide, then tall
