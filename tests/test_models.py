@@ -1,14 +1,13 @@
 """Models beyond the Qwen-VL pair, with no code of ours per model: the Qwen2.5-Omni and Qwen3-Omni
-thinkers, NVIDIA's Audio Flamingo 3, LLaVA-NeXT and GLM-4.1V. Greedy tokens equal the monolithic
-vLLM run of the same request in E/P/D and E+PD (which ``test_equivalence.py`` compares with
-vLLM's own ``LLM.chat`` for LLaVA-NeXT and GLM-4.1V).
+thinkers, NVIDIA's Audio Flamingo 3, LLaVA-NeXT, GLM-4.1V and InternVL 3. Greedy tokens equal
+the monolithic vLLM run of the same request in E/P/D and E+PD (which ``test_equivalence.py``
+compares with vLLM's own ``LLM.chat`` for the image families).
 
 Every modality of these is metadata-only: no media reaches prefill or decode. vLLM declares the
 layout of Qwen2.5-Omni's, Qwen3-Omni's audio and Audio Flamingo 3's; EPD declares what vLLM 0.32
 leaves out (Qwen2.5-Omni's ``second_per_grid_ts``, Qwen3-Omni's image and video, LLaVA-NeXT's
-and GLM-4.1V's image: ``epd/compat/``), and the recording proxy proves it for the Omni thinkers,
-LLaVA-NeXT and GLM-4.1V. GLM-4.1V's video is the exception: not declared yet, so not tested here
-(see the README's model table).
+image, GLM-4.1V's and InternVL's image and video: ``epd/compat/``), and the recording proxy
+proves it for the Omni thinkers, LLaVA-NeXT, GLM-4.1V and InternVL.
 
 Qwen2.5-Omni runs on one stack, in bfloat16 (the deployment dtype, where rounding makes identity
 hardest): its audio, image, video and audio-plus-image equivalence is ``test_bf16.py``'s, and its
@@ -63,6 +62,8 @@ CASES = {
         "image": lambda: [_image(40, 160, 90), "What do you see?"],
         "image_between_text": lambda: ["Look:", _image(41, 80, 150), "What is it?"],
         "two_images": lambda: [_image(42, 120, 120), _image(43, 200, 60), "Compare them."],
+        "video": lambda: [_clip(44), "What happens?"],
+        "image_and_video": lambda: [_image(45, 90, 150), "and", _clip(46), "Same scene?"],
     },
     # Wide, tall and square images are cut into different tile counts.
     "internvl": {
@@ -123,10 +124,11 @@ async def test_omni_metadata_only_path_carries_no_media(family_stack, family):
     assert await wait_for_metric(family_stack.encoder.metrics_port, "epd_arena_leases", 0.0) == 0.0
 
 
-# Two images each family lays out differently (wide, then tall or square), and an InternVL video.
+# Two images each family lays out differently (wide, then tall or square), and a video where the
+# family takes one.
 DECLARED_LAYOUT_MEDIA = {
     "llava_next": lambda: [_image(34, 200, 70), _image(35, 70, 180)],
-    "glm4v": lambda: [_image(34, 200, 70), _image(35, 70, 180)],
+    "glm4v": lambda: [_image(34, 200, 70), _image(35, 70, 180), _clip(36)],
     "internvl": lambda: [_image(34, 200, 70), _image(35, 120, 120), _clip(36)],
 }
 
@@ -134,8 +136,9 @@ DECLARED_LAYOUT_MEDIA = {
 @pytest.mark.parametrize("family", list(DECLARED_LAYOUT_MEDIA))
 async def test_items_declared_by_epd_reach_prefill_and_decode_as_metadata_only(family_stack, family):
     """vLLM 0.32 declares no metadata-only layout for LLaVA-NeXT's, GLM-4.1V's and InternVL's
-    images, nor InternVL's videos; with EPD's declarations (epd/compat/vllm_llava_next.py:
-    ``image_sizes``; vllm_glm4v.py: the patch grid; vllm_internvl.py: the tile counts) the encoder
+    images, nor GLM-4.1V's and InternVL's videos; with EPD's declarations
+    (epd/compat/vllm_llava_next.py: ``image_sizes``; vllm_glm4v.py: the patch grid, and a video's
+    sampling; vllm_internvl.py: the tile counts) the encoder
     publishes what lays each item out, and prefill and decode lay it out from that: neither sees a
     pixel."""
     media = DECLARED_LAYOUT_MEDIA[family]()
@@ -155,6 +158,9 @@ async def test_items_declared_by_epd_reach_prefill_and_decode_as_metadata_only(f
         else:
             grids = [(item.metadata.grid_thw.t, item.metadata.grid_thw.h, item.metadata.grid_thw.w) for item in items]
             assert grids[0][0] == grids[1][0] == 1 and grids[0][2] > grids[0][1] and grids[1][1] > grids[1][2]  # wide, then tall
+            # The video's sampling, from which vLLM writes each frame group's timestamp.
+            video = items[2].metadata.engine_fields
+            assert list(video["video_frames_indices"].int_values) and video["video_fps"].float_values[0] > 0
         assert not any(item.metadata.layout_needs_media or item.HasField("forwarded_media") for item in items)
         # Different tile grids: the wide and the tall image take different token counts.
         assert items[0].metadata.placeholder_count != items[1].metadata.placeholder_count
