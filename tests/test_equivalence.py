@@ -9,7 +9,7 @@ import asyncio
 import pytest
 
 from devkit.checkpoints import FAMILIES, MODALITIES
-from devkit.media import synthetic_image_png
+from devkit.media import synthetic_image_png, synthetic_video
 from epd.client import chat_request, content_part, generate
 from epd.v1 import common_pb2, gateway_pb2
 from tests.conftest import DISAGGREGATED_MODES, checkpoint
@@ -42,6 +42,11 @@ CHATS = {
         ("user", ["\nAnd now?  "]),
     ],
 }
+# For the families that take video: a clip between texts, which vLLM's chat path loads and samples
+# itself (EPD's encoder decodes and samples it with its own decoder).
+VIDEO_CHATS = {
+    "video_between_text": lambda: [("user", ["Watch this:", (synthetic_video(96, 64, 16, fps=8.0, seed=7), "video/mp4"), "What happens?"])],
+}
 CHAT_MAX_TOKENS = 24
 # The image families whose monolithic oracle is checked against LLM.chat here; LLaVA-NeXT's,
 # GLM-4.1V's and InternVL's disaggregated runs are compared with that oracle in test_models.py.
@@ -55,21 +60,47 @@ def _chat_request(messages: list[tuple[str, list]]) -> gateway_pb2.GenerateReque
     )
 
 
+def _chats_of(family: str) -> dict:
+    return CHATS | VIDEO_CHATS if "video" in MODALITIES[family] else CHATS
+
+
+# Known: EPD's encoder decodes and samples a video's frames itself, by the model's video processor
+# settings (as Qwen3-VL's processor samples them, which agrees), while vLLM's chat path loads them
+# with its own loader (VideoMediaIO: up to 32 frames spread evenly). For a 2 s clip at 8 fps,
+# Qwen2.5-VL's prompt holds 16 frames there and 4 here; GLM-4.1V's and InternVL's prompts have the
+# same length on both paths and other greedy tokens (not traced yet: the frames chosen, or their
+# decoding). Strict, so each marker goes when EPD decodes video as vLLM's chat path does.
+_VIDEO_DECODED_APART = pytest.mark.xfail(
+    strict=True, reason="EPD decodes and samples video frames itself, unlike vLLM's chat path (issue 33, item 1)"
+)
+
+
+def _chat_params() -> list:
+    params = []
+    for family in CHAT_FAMILIES:
+        for chat in _chats_of(family):
+            apart = chat in VIDEO_CHATS and family != "qwen3_vl"
+            params.append(pytest.param(family, chat, marks=[_VIDEO_DECODED_APART] if apart else []))
+    return params
+
+
 @pytest.fixture(scope="module")
 def llm_chat(tmp_path_factory) -> dict[str, dict[str, dict]]:
-    """Every family's CHATS through vLLM's LLM.chat, one engine per family, in one process."""
-    chats = {name: {"messages": chat_messages(build()), "max_tokens": CHAT_MAX_TOKENS, "min_tokens": MIN_TOKENS} for name, build in CHATS.items()}
-    limits = {family: {"image": 3} | ({"video": 0} if "video" in MODALITIES[family] else {}) for family in CHAT_FAMILIES}
-    jobs = [{"model": str(checkpoint(family)), "dtype": "float32", "limit_mm_per_prompt": limits[family], "chats": chats} for family in CHAT_FAMILIES]
-    return run_llm_chat(jobs, tmp_path_factory.mktemp("llm-chat"))
+    """Every family's chats through vLLM's LLM.chat, one engine per family, in one process."""
+
+    def job(family: str) -> dict:
+        chats = {name: {"messages": chat_messages(build()), "max_tokens": CHAT_MAX_TOKENS, "min_tokens": MIN_TOKENS} for name, build in _chats_of(family).items()}
+        limits = {"image": 3} | ({"video": 1} if "video" in MODALITIES[family] else {})
+        return {"model": str(checkpoint(family)), "dtype": "float32", "limit_mm_per_prompt": limits, "chats": chats}
+
+    return run_llm_chat([job(family) for family in CHAT_FAMILIES], tmp_path_factory.mktemp("llm-chat"))
 
 
-@pytest.mark.parametrize("family", CHAT_FAMILIES)
-@pytest.mark.parametrize("chat", list(CHATS))
+@pytest.mark.parametrize(("family", "chat"), _chat_params())
 async def test_monolithic_equals_vllm_llm_chat(family_stack, family, chat, llm_chat):
     """The oracle itself against vLLM's chat path: the same prompt ids and greedy tokens."""
     expected = llm_chat[str(checkpoint(family))][chat]
-    result = await generate(family_stack.gateway_stub("monolithic"), _chat_request(CHATS[chat]()), timeout=180)
+    result = await generate(family_stack.gateway_stub("monolithic"), _chat_request(_chats_of(family)[chat]()), timeout=180)
     assert len(expected["token_ids"]) >= MIN_TOKENS
     assert result.finished.usage.prompt_tokens == len(expected["prompt_token_ids"])
     assert result.token_ids == expected["token_ids"]
