@@ -138,9 +138,8 @@ async def test_items_declared_by_epd_reach_prefill_and_decode_as_metadata_only(f
     """vLLM 0.32 declares no metadata-only layout for LLaVA-NeXT's, GLM-4.1V's and InternVL's
     images, nor GLM-4.1V's and InternVL's videos; with EPD's declarations
     (epd/compat/vllm_llava_next.py: ``image_sizes``; vllm_glm4v.py: the patch grid, and a video's
-    sampling; vllm_internvl.py: the tile counts) the encoder
-    publishes what lays each item out, and prefill and decode lay it out from that: neither sees a
-    pixel."""
+    sampling; vllm_internvl.py: the tile counts) the encoder publishes what lays each item out,
+    and prefill and decode lay it out from that: neither sees a pixel."""
     media = DECLARED_LAYOUT_MEDIA[family]()
     request = chat_request([*media, "Which is wider?"], max_tokens=16, min_tokens=MIN_TOKENS)
     oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=180)
@@ -162,6 +161,6 @@ async def test_items_declared_by_epd_reach_prefill_and_decode_as_metadata_only(f
             video = items[2].metadata.engine_fields
             assert list(video["video_frames_indices"].int_values) and video["video_fps"].float_values[0] > 0
         assert not any(item.metadata.layout_needs_media or item.HasField("forwarded_media") for item in items)
-        # Different tile grids: the wide and the tall image take different token counts.
+        # The two images are laid out differently, so they take different token counts.
         assert items[0].metadata.placeholder_count != items[1].metadata.placeholder_count
     assert await wait_for_metric(family_stack.encoder.metrics_port, "epd_arena_leases", 0.0) == 0.0
