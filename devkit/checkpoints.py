@@ -341,21 +341,28 @@ _AUDIO_CHAT_TEMPLATE = (
 )
 
 
-def _chatml_template(placeholders: Mapping[str, str]) -> str:
-    """ChatML turns with a default system prompt, and a modality's placeholder (``placeholders``)
-    in place of each of its content parts (recognised like the other templates: by ``type``, or by
-    a ``<modality>`` or ``<modality>_url`` key)."""
+def _content(placeholders: Mapping[str, str]) -> str:
+    """A message's content: its text as is, or its parts, each text as is and each item as its
+    modality's placeholder (``placeholders``; an item is recognised like the other templates: by
+    ``type``, or by a ``<modality>`` or ``<modality>_url`` key)."""
     branches = [f"content['type'] == '{m}' or '{m}' in content or '{m}_url' in content %}}{p}" for m, p in placeholders.items()]
+    return (
+        "{% if message['content'] is string %}{{ message['content'] }}"
+        "{% else %}{% for content in message['content'] %}"
+        "{% if " + "{% elif ".join(branches) + "{% elif 'text' in content %}{{ content['text'] }}"
+        "{% endif %}{% endfor %}{% endif %}"
+    )
+
+
+def _chatml_template(placeholders: Mapping[str, str]) -> str:
+    """ChatML turns with a default system prompt, each message's content as :func:`_content`
+    renders it."""
     return (
         "{% for message in messages %}"
         "{% if loop.first and message['role'] != 'system' %}"
         "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
         "{% endif %}"
-        "<|im_start|>{{ message['role'] }}\n"
-        "{% if message['content'] is string %}{{ message['content'] }}"
-        "{% else %}{% for content in message['content'] %}"
-        "{% if " + "{% elif ".join(branches) + "{% elif 'text' in content %}{{ content['text'] }}"
-        "{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+        "<|im_start|>{{ message['role'] }}\n" + _content(placeholders) + "<|im_end|>\n"
         "{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
@@ -375,15 +382,8 @@ _INTERNVL_CHAT_TEMPLATE = _chatml_template({"image": "<IMG_CONTEXT>\n", "video":
 _GLM4V_CHAT_TEMPLATE = (
     "[gMASK]<sop>"
     "{% for message in messages %}<|{{ message['role'] }}|>\n"
-    "{% if message['content'] is string %}{{ message['content'] }}"
-    "{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "<|begin_of_image|><|image|><|end_of_image|>"
-    "{% elif content['type'] == 'video' or 'video' in content or 'video_url' in content %}"
-    "<|begin_of_video|><|video|><|end_of_video|>"
-    "{% elif 'text' in content %}{{ content['text'] }}"
-    "{% endif %}{% endfor %}{% endif %}"
-    "{% endfor %}"
+    + _content({"image": "<|begin_of_image|><|image|><|end_of_image|>", "video": "<|begin_of_video|><|video|><|end_of_video|>"})
+    + "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 
@@ -438,6 +438,18 @@ _CHATML_STOP_TOKENS = ("<|im_end|>", "<|endoftext|>")
 
 _CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 _CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
+# How the tiled families' processors prepare a tile (or frame): resized bicubically, scaled to
+# [0, 1] and normalised as CLIP's.
+_CLIP_IMAGE_PROCESSING: dict[str, Any] = {
+    "image_mean": _CLIP_MEAN,
+    "image_std": _CLIP_STD,
+    "do_resize": True,
+    "do_rescale": True,
+    "rescale_factor": 1 / 255,
+    "do_normalize": True,
+    "do_convert_rgb": True,
+    "resample": 3,  # bicubic
+}
 
 
 @dataclass(frozen=True)
@@ -528,31 +540,37 @@ class _OmniFamily(_Family):
 
 
 @dataclass(frozen=True)
-class _LlavaNextFamily:
-    """LLaVA-NeXT (LLaVA 1.6): a CLIP tower run over "anyres" tiles (the image resized onto the
-    best of a few tile grids and cut into tower-sized tiles, plus the whole image downscaled), a
-    two-layer projector, a learned embedding closing each row of tile features, and a Llama LM.
+class _TiledFamily:
+    """A LLaVA-style family: a vision tower run over fixed-size tiles of each image, a projector,
+    and a ChatML language model.
 
     Attributes:
         architecture: transformers model class name, written to ``config.architectures``.
         processor_class: transformers processor class name.
         added_tokens: tokenizer added tokens in id order, as (content, special).
-        tile_px: the tower's input edge, and so a tile's (336 in the released models).
-        patch_size: CLIP patch edge in pixels.
-        rope_theta: base of the language model's rotary embedding.
         chat_template: the Jinja chat template.
+        rope_theta: base of the language model's rotary embedding.
+        tile_px: the tower's input edge, and so a tile's (336 or 448 in the released models).
+        patch_size: the tower's patch edge in pixels.
         eos_token, stop_tokens: as :class:`_Family`'s.
     """
 
-    architecture: str = "LlavaNextForConditionalGeneration"
-    processor_class: str = "LlavaNextProcessor"
-    added_tokens: tuple[tuple[str, bool], ...] = _LLAVA_ADDED_TOKENS
+    architecture: str
+    processor_class: str
+    added_tokens: tuple[tuple[str, bool], ...]
+    chat_template: str
+    rope_theta: float
     tile_px: int = 56  # 4 x 4 patches a tile
     patch_size: int = 14
-    rope_theta: float = 10_000.0
-    chat_template: str = _LLAVA_CHAT_TEMPLATE
     eos_token: str = _CHATML_EOS
     stop_tokens: tuple[str, ...] = _CHATML_STOP_TOKENS
+
+
+@dataclass(frozen=True)
+class _LlavaNextFamily(_TiledFamily):
+    """LLaVA-NeXT (LLaVA 1.6): a CLIP tower run over "anyres" tiles (the image resized onto the
+    best of a few tile grids and cut into tiles, plus the whole image downscaled), a two-layer
+    projector, a learned embedding closing each row of tile features, and a Llama LM."""
 
     @property
     def grid_pinpoints(self) -> list[list[int]]:
@@ -563,37 +581,26 @@ class _LlavaNextFamily:
 
 
 @dataclass(frozen=True)
-class _InternVLFamily:
-    """InternVL 3 (transformers' native ``internvl``): InternViT over 448 px tiles (the image cut
-    into up to ``max_tiles`` tiles by its aspect ratio, plus a thumbnail when there are several),
-    each tile's patches pixel-shuffled 2 x 2 into ``(tile_px / patch_size / 2) ** 2`` features, an
-    MLP projector and a Qwen2 LM. A video is one tile per frame.
+class _InternVLFamily(_TiledFamily):
+    """InternVL 3 (transformers' native ``internvl``): InternViT over tiles (the image cut into up
+    to ``max_tiles`` tiles by its aspect ratio, plus a thumbnail when there are several), each
+    tile's patches pixel-shuffled 2 x 2 into :attr:`features_per_tile` features, an MLP projector
+    and a Qwen2 LM. A video is one tile per frame.
 
-    Attributes:
-        tile_px: the tower's input edge, and so a tile's (448 in the released models).
-        max_tiles: most tiles per image (12 released).
+    Attributes (besides :class:`_TiledFamily`'s):
         token_attributes: the tokenizer attributes the processor reads, as (name, token).
-        The rest: as :class:`_LlavaNextFamily`'s.
+        max_tiles: most tiles per image (12 released).
     """
 
-    architecture: str = "InternVLForConditionalGeneration"
-    processor_class: str = "InternVLProcessor"
-    added_tokens: tuple[tuple[str, bool], ...] = _INTERNVL_ADDED_TOKENS
-    token_attributes: tuple[tuple[str, str], ...] = _INTERNVL_TOKEN_ATTRIBUTES
-    tile_px: int = 56  # 4 x 4 patches: 2 x 2 features a tile
+    token_attributes: tuple[tuple[str, str], ...] = ()
     max_tiles: int = 4
-    patch_size: int = 14
-    rope_theta: float = 1_000_000.0
-    chat_template: str = _INTERNVL_CHAT_TEMPLATE
-    eos_token: str = _CHATML_EOS
-    stop_tokens: tuple[str, ...] = _CHATML_STOP_TOKENS
 
     @property
     def features_per_tile(self) -> int:
         return (self.tile_px // self.patch_size // 2) ** 2
 
 
-_Spec = _Family | _AudioFamily | _LlavaNextFamily | _InternVLFamily
+_Spec = _Family | _AudioFamily | _TiledFamily
 _FAMILY_SPECS: dict[str, _Spec] = {
     "qwen2_5_vl": _Family(
         architecture="Qwen2_5_VLForConditionalGeneration",
@@ -656,8 +663,21 @@ _FAMILY_SPECS: dict[str, _Spec] = {
         audio_token="<sound>",
         chat_template=_AUDIOFLAMINGO3_CHAT_TEMPLATE,
     ),
-    "llava_next": _LlavaNextFamily(),
-    "internvl": _InternVLFamily(),
+    "llava_next": _LlavaNextFamily(
+        architecture="LlavaNextForConditionalGeneration",
+        processor_class="LlavaNextProcessor",
+        added_tokens=_LLAVA_ADDED_TOKENS,
+        chat_template=_LLAVA_CHAT_TEMPLATE,
+        rope_theta=10_000.0,
+    ),
+    "internvl": _InternVLFamily(
+        architecture="InternVLForConditionalGeneration",
+        processor_class="InternVLProcessor",
+        added_tokens=_INTERNVL_ADDED_TOKENS,
+        chat_template=_INTERNVL_CHAT_TEMPLATE,
+        rope_theta=1_000_000.0,
+        token_attributes=_INTERNVL_TOKEN_ATTRIBUTES,
+    ),
     "glm4v": _Family(
         architecture="Glm4vForConditionalGeneration",
         processor_class="Glm4vProcessor",
@@ -1143,14 +1163,10 @@ def _build_glm4v_config(spec: _Family, sizes: _Scale, *, vocab_size: int, token_
     )
 
 
-def _build_internvl_config(spec: _InternVLFamily, sizes: _Scale, *, vocab_size: int, token_ids: Mapping[str, int]) -> PreTrainedConfig:
-    """Builds the ``InternVLConfig``: the scale's tower sizes as an InternViT over the tile edge,
-    the scale's LM as a Qwen2, and the released feature choices (the last tower layer, pixel
-    shuffle by half)."""
-    import transformers
-
-    text_config: dict[str, Any] = _text_config(sizes, vocab_size) | {
-        "model_type": "qwen2",
+def _chatml_text_config(model_type: str, spec: _TiledFamily, sizes: _Scale, *, vocab_size: int, token_ids: Mapping[str, int]) -> dict[str, Any]:
+    """A tiled family's language model: the scale's sizes as ``model_type``, ChatML's ids, untied."""
+    return _text_config(sizes, vocab_size) | {
+        "model_type": model_type,
         "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
         "bos_token_id": token_ids["<|endoftext|>"],
         "eos_token_id": token_ids["<|im_end|>"],
@@ -1158,6 +1174,15 @@ def _build_internvl_config(spec: _InternVLFamily, sizes: _Scale, *, vocab_size: 
         "tie_word_embeddings": False,
         "dtype": "float32",
     }
+
+
+def _build_internvl_config(spec: _InternVLFamily, sizes: _Scale, *, vocab_size: int, token_ids: Mapping[str, int]) -> PreTrainedConfig:
+    """Builds the ``InternVLConfig``: the scale's tower sizes as an InternViT over the tile edge,
+    the scale's LM as a Qwen2, and the released feature choices (the last tower layer, pixel
+    shuffle by half)."""
+    import transformers
+
+    text_config = _chatml_text_config("qwen2", spec, sizes, vocab_size=vocab_size, token_ids=token_ids)
     vision_config = {
         "hidden_size": sizes.vision_hidden,
         "intermediate_size": sizes.vision_intermediate,
@@ -1186,16 +1211,7 @@ def _build_llava_next_config(spec: _LlavaNextFamily, sizes: _Scale, *, vocab_siz
     token dropped)."""
     import transformers
 
-    text_config: dict[str, Any] = _text_config(sizes, vocab_size) | {
-        "model_type": "llama",
-        "head_dim": sizes.head_dim,
-        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
-        "bos_token_id": token_ids["<|endoftext|>"],
-        "eos_token_id": token_ids["<|im_end|>"],
-        "pad_token_id": token_ids["<|endoftext|>"],
-        "tie_word_embeddings": False,
-        "dtype": "float32",
-    }
+    text_config = _chatml_text_config("llama", spec, sizes, vocab_size=vocab_size, token_ids=token_ids) | {"head_dim": sizes.head_dim}
     vision_config = {
         "model_type": "clip_vision_model",
         "hidden_size": sizes.vision_hidden,
@@ -1411,22 +1427,14 @@ def _write_processor_configs(out: pathlib.Path, spec: _Family, sizes: _Scale) ->
 def _write_llava_next_processor_configs(out: pathlib.Path, spec: _LlavaNextFamily) -> None:
     """Writes the anyres image processor's config (CLIP's normalisation, the tile grids) and the
     processor's, which expands each ``<image>`` to the tile features' count."""
-    image = {
+    image = _CLIP_IMAGE_PROCESSING | {
         "image_processor_type": "LlavaNextImageProcessor",
         "processor_class": spec.processor_class,
         "size": {"shortest_edge": spec.tile_px},
         "crop_size": {"height": spec.tile_px, "width": spec.tile_px},
         "image_grid_pinpoints": spec.grid_pinpoints,
-        "image_mean": _CLIP_MEAN,
-        "image_std": _CLIP_STD,
-        "do_resize": True,
         "do_center_crop": True,
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
         "do_pad": True,
-        "do_convert_rgb": True,
-        "resample": 3,  # bicubic
     }
     _write_json(out / "preprocessor_config.json", image)
     processor = {
@@ -1442,18 +1450,7 @@ def _write_llava_next_processor_configs(out: pathlib.Path, spec: _LlavaNextFamil
 def _write_internvl_processor_configs(out: pathlib.Path, spec: _InternVLFamily) -> None:
     """Writes the tiling image processor's config, the video processor's (one tile a frame) and
     the processor's (features per tile)."""
-    shared = {
-        "processor_class": spec.processor_class,
-        "size": {"height": spec.tile_px, "width": spec.tile_px},
-        "image_mean": _CLIP_MEAN,
-        "image_std": _CLIP_STD,
-        "do_resize": True,
-        "do_rescale": True,
-        "rescale_factor": 1 / 255,
-        "do_normalize": True,
-        "do_convert_rgb": True,
-        "resample": 3,  # bicubic
-    }
+    shared = _CLIP_IMAGE_PROCESSING | {"processor_class": spec.processor_class, "size": {"height": spec.tile_px, "width": spec.tile_px}}
     tiles = {"crop_to_patches": True, "min_patches": 1, "max_patches": spec.max_tiles}
     _write_json(out / "preprocessor_config.json", shared | tiles | {"image_processor_type": "GotOcr2ImageProcessor"})
     _write_json(out / "video_preprocessor_config.json", shared | {"video_processor_type": "InternVLVideoProcessor", "initial_shift": True})
