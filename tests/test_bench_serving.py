@@ -119,7 +119,7 @@ def test_salted_media_decode_to_the_same_content_under_a_new_hash(modality):
     from epd.media import MediaLimits
     from epd.media.audio import decode_audio_file
     from epd.media.image import decode_image
-    from epd.media.video import SamplingDefaults, decode_video_file
+    from epd.media.video import VideoLoading, decode_video_file
 
     spec = WorkloadSpec(modality, num_requests=1, items_per_request=(2, 2), image_edge_px=(448, 476), video_edge_px=(224, 224), clip_seconds=(1.0, 1.0))
     (original,) = build_requests(spec)
@@ -134,7 +134,7 @@ def test_salted_media_decode_to_the_same_content_under_a_new_hash(modality):
             return np.asarray(decode_image(data, max_pixels=MediaLimits().max_image_pixels))
         if modality == "audio":
             return decode_audio_file(data, item.source.mime_type, 16000).samples
-        return decode_video_file(data, VideoSampling(), SamplingDefaults(), MediaLimits()).frames
+        return decode_video_file(data, VideoSampling(), VideoLoading("qwen3_vl"), MediaLimits()).frames
 
     for first, second in zip(items[0], items[1], strict=True):
         assert np.array_equal(decoded(first), decoded(second))

@@ -64,24 +64,8 @@ def _chats_of(family: str) -> dict:
     return CHATS | VIDEO_CHATS if "video" in MODALITIES[family] else CHATS
 
 
-# Known: EPD's encoder decodes and samples a video's frames itself, by the model's video processor
-# settings (as Qwen3-VL's processor samples them, which agrees), while vLLM's chat path loads them
-# with its own loader (VideoMediaIO: up to 32 frames spread evenly). For a 2 s clip at 8 fps,
-# Qwen2.5-VL's prompt holds 16 frames there and 4 here; GLM-4.1V's and InternVL's prompts have the
-# same length on both paths and other greedy tokens (not traced yet: the frames chosen, or their
-# decoding). Strict, so each marker goes when EPD decodes video as vLLM's chat path does.
-_VIDEO_DECODED_APART = pytest.mark.xfail(
-    strict=True, reason="EPD decodes and samples video frames itself, unlike vLLM's chat path (issue 33, item 1)"
-)
-
-
 def _chat_params() -> list:
-    params = []
-    for family in CHAT_FAMILIES:
-        for chat in _chats_of(family):
-            apart = chat in VIDEO_CHATS and family != "qwen3_vl"
-            params.append(pytest.param(family, chat, marks=[_VIDEO_DECODED_APART] if apart else []))
-    return params
+    return [(family, chat) for family in CHAT_FAMILIES for chat in _chats_of(family)]
 
 
 @pytest.fixture(scope="module")

@@ -146,3 +146,77 @@ def test_images_decode_to_the_pixels_vllm_serve_gives_them():
     rgb = io.BytesIO()
     landscape.save(rgb, format="PNG")
     assert decode_image(rgb.getvalue(), max_pixels=100).tobytes() == landscape.tobytes()
+
+
+# vLLM's video loaders EPD's tested families use: Qwen2-VL's (Qwen2.5-VL, both Omni thinkers),
+# Qwen3-VL's, GLM-4.1V's duration-aware one, and the uniform OpenCV loader (InternVL, vLLM's default).
+VIDEO_LOADERS = ("qwen2_vl", "qwen3_vl", "opencv_dynamic", None)
+
+
+# A 5 s clip of 40 frames: (loader, requested fps, requested max_frames, frames vLLM samples).
+# Qwen2-VL's loader rounds to whole temporal patches (4 of 5); GLM-4.1V's takes no frame cap.
+_LOADED_FRAMES = [
+    ("qwen2_vl", None, None, 10), ("qwen2_vl", 1.0, None, 4), ("qwen2_vl", None, 6, 6),
+    ("qwen3_vl", None, None, 10), ("qwen3_vl", 1.0, None, 5), ("qwen3_vl", None, 6, 6),
+    ("opencv_dynamic", None, None, 10), ("opencv_dynamic", 1.0, None, 5),
+    (None, None, None, 32), (None, 1.0, None, 5), (None, None, 6, 6),
+]
+
+
+@pytest.mark.parametrize(("backend", "fps", "max_frames", "count"), _LOADED_FRAMES)
+def test_videos_load_to_the_frames_vllm_serve_gives_them(backend, fps, max_frames, count) -> None:
+    """A video file's frames and metadata are those of vLLM's VideoMediaIO with the model's
+    loader, as ``vllm serve`` loads a ``video_url`` with the same ``media_io_kwargs``."""
+    from vllm.multimodal.media import ImageMediaIO, VideoMediaIO
+
+    from epd.domain import VideoSampling
+    from epd.media.video import VideoLoading, decode_video_file
+
+    data = synthetic_video(48, 32, 40, fps=8.0, seed=3)
+    runtime = {"fps": fps} if fps else {"num_frames": max_frames, "max_frames": max_frames} if max_frames else {}
+    io_kwargs = VideoMediaIO.merge_kwargs({"video_backend": backend} if backend else {}, runtime)
+    frames, metadata = VideoMediaIO(ImageMediaIO(), **io_kwargs).load_bytes(data).media
+    decoded = decode_video_file(data, VideoSampling(fps, max_frames), VideoLoading(backend), MediaLimits())
+    assert len(frames) == count
+    assert decoded.metadata == metadata
+    np.testing.assert_array_equal(decoded.frames, frames)
+
+
+@pytest.mark.parametrize("backend", VIDEO_LOADERS)
+def test_caller_frames_sample_as_a_file_of_them_would(backend) -> None:
+    """Frames the caller decoded are sampled by the model's loader as the same frames in a file
+    at their rate: the same source indices, the same frames."""
+    from devkit.media import synthetic_frames_png
+    from epd.domain import VideoFrames, VideoSampling
+    from epd.media.video import VideoLoading, decode_video_file, decode_video_frames
+
+    loading = VideoLoading(backend)
+    from_file = decode_video_file(synthetic_video(48, 32, 40, fps=8.0, seed=3), VideoSampling(), loading, MediaLimits())
+    pngs = synthetic_frames_png(48, 32, 40, seed=3)
+    from_frames = decode_video_frames(VideoFrames(tuple(MediaFile(p, "image/png") for p in pngs), 8.0), VideoSampling(), loading, MediaLimits())
+    assert from_frames.metadata["frames_indices"] == from_file.metadata["frames_indices"]
+    for key in ("total_num_frames", "fps", "duration", "do_sample_frames"):
+        assert from_frames.metadata[key] == from_file.metadata[key], key
+    expected = [np.asarray(decode_image_png(pngs[i])) for i in from_file.metadata["frames_indices"]]
+    np.testing.assert_array_equal(from_frames.frames, np.stack(expected))
+
+
+def decode_image_png(data: bytes):
+    from epd.media.image import decode_image
+
+    return decode_image(data, max_pixels=MediaLimits().max_image_pixels)
+
+
+@pytest.mark.parametrize(("backend", "max_frames", "message"), [
+    ("opencv_dynamic", 4, "takes no frame cap"),  # GLM-4.1V's loader samples by duration only
+    ("qwen2_vl", 1, "too few for this model's video loader"),  # rounded down to whole temporal patches: none
+])
+def test_video_frame_cap_a_loader_ignores_is_refused(backend, max_frames, message) -> None:
+    """A frame cap the model's loader cannot honour is refused on its field, never served past."""
+    from epd.domain import VideoSampling
+    from epd.media import MediaError
+    from epd.media.video import VideoLoading, decode_video_file
+
+    with pytest.raises(MediaError, match=message) as info:
+        decode_video_file(synthetic_video(48, 32, 40, fps=8.0, seed=3), VideoSampling(max_frames=max_frames), VideoLoading(backend), MediaLimits())
+    assert info.value.field == "video.sampling.max_frames"

@@ -27,7 +27,7 @@ def _frames(count: int, fps: float, seed: int, max_frames: int = 0) -> multimoda
 
 CASES = {
     "short_clip": lambda: ["Watch:", _clip(12, 8.0, 1), "What happens?"],
-    # 8 s at 2 fps wants 16 frames; the model's max_frames (8) makes sampling decide.
+    # 8 s: vLLM's Qwen loaders sample 16 frames at their default 2 fps.
     "clip_longer_than_max_frames": lambda: [_clip(80, 10.0, 2), "Summarize the clip."],
     "two_videos": lambda: [_clip(10, 5.0, 3), "then", _clip(16, 8.0, 4, "video/webm", size=(64, 96)), "Compare them."],
     "image_and_video": lambda: [(synthetic_image_png(120, 90, seed=5), "image/png"), _clip(14, 7.0, 6), "Does the picture appear in the video?"],
@@ -73,7 +73,6 @@ BAD_VIDEO = {
     "truncated_mp4": (lambda: _parts((_clip(20, 10.0, 8)[0][:900], "video/mp4")), "messages[0].parts[0].video.file.data"),
     "over_the_frame_limit": (lambda: _parts(_clip(MAX_VIDEO_FRAMES + 30, 30.0, 9, size=(32, 32))), "messages[0].parts[0].video.file.data"),
     "unsupported_container": (lambda: _parts((b"FLV\x01" + b"\x00" * 64, "video/x-flv")), "messages[0].parts[0].video.file.mime_type"),
-    "max_frames_over_the_model_maximum": (lambda: _parts(_frames(4, 2.0, 10, max_frames=64)), "messages[0].parts[0].video.sampling.max_frames"),
     "video_bytes_in_an_image_part": (
         lambda: _parts(multimodal_pb2.Media(data=_clip(6, 6.0, 1)[0], mime_type="video/mp4")),
         "messages[0].parts[0].image.mime_type",

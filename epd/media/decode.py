@@ -14,7 +14,7 @@ from epd.domain import MediaFile, MediaInput, Modality, PcmAudio, VideoFrames
 from epd.errors import FieldViolation, InvalidArgument
 from epd.media import MediaError, MediaLimits, check_sizes_and_types, source_field
 from epd.media.image import decode_image
-from epd.media.video import DecodedVideo, SamplingDefaults, decode_video_file, decode_video_frames
+from epd.media.video import DecodedVideo, VideoLoading, decode_video_file, decode_video_frames
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,14 +22,14 @@ class MediaDecoder:
     """Decodes items for one checkpoint, within the limits."""
 
     limits: MediaLimits
-    video_defaults: SamplingDefaults | None  # None: the checkpoint has no video processor
+    video_loading: VideoLoading | None  # None: the checkpoint has no video processor
     audio_rate: int | None  # the audio feature extractor's rate; None: no audio
     audio_max_s: float  # min of the configured limit and the feature extractor's window
     audio_min_samples: int  # fewer give no audio token at all
 
     @classmethod
     def for_model(cls, model_dir: str | pathlib.Path, limits: MediaLimits) -> MediaDecoder:
-        """Reads the checkpoint's processor (no weights) for its video and audio settings."""
+        """Reads the checkpoint's processor (no weights) for its video loader and audio settings."""
         from transformers import AutoProcessor
 
         processor = AutoProcessor.from_pretrained(model_dir)
@@ -43,8 +43,8 @@ class MediaDecoder:
             audio_max_s = min(audio_max_s, float(chunk_length)) if chunk_length else audio_max_s
             # Whisper-style towers halve the mel frames twice: under 3 frames leaves no token.
             audio_min_samples = 2 * int(getattr(extractor, "hop_length", 0)) + 1
-        video_defaults = SamplingDefaults.of(video_processor) if video_processor is not None else None
-        return cls(limits, video_defaults, audio_rate, audio_max_s, audio_min_samples)
+        video_loading = VideoLoading.for_model(model_dir) if video_processor is not None else None
+        return cls(limits, video_loading, audio_rate, audio_max_s, audio_min_samples)
 
     def decode_all(self, items: list[MediaInput], paths: list[str]) -> list[Any]:
         """Decodes every item, or raises one InvalidArgument naming every bad field.
@@ -76,11 +76,11 @@ class MediaDecoder:
         if item.modality is Modality.IMAGE:
             return decode_image(source.data, max_pixels=self.limits.max_image_pixels)
         if item.modality is Modality.VIDEO:
-            if self.video_defaults is None:
+            if self.video_loading is None:
                 raise MediaError("video", "this checkpoint has no video processor")
             if isinstance(source, VideoFrames):
-                return decode_video_frames(source, item.video_sampling, self.video_defaults, self.limits)
-            return decode_video_file(source.data, item.video_sampling, self.video_defaults, self.limits)
+                return decode_video_frames(source, item.video_sampling, self.video_loading, self.limits)
+            return decode_video_file(source.data, item.video_sampling, self.video_loading, self.limits)
         return self._decode_audio(item)
 
     def _decode_audio(self, item: MediaInput):

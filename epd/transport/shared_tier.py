@@ -11,8 +11,9 @@ What moves is the arena fill itself (the slot header, then the rows), put from a
 arena buffer, which is registered with the store so no copy is made on either side. The header
 travels along so the reader can check the shape and dtype before anything uses the rows.
 
-Keys are ``epd/<namespace>/<content hash>``; the namespace names the checkpoint, its revision and
-the engine's dtype, so encoders of other checkpoints or dtypes never share outputs.
+Keys are ``epd/<namespace>/<content hash>``; the namespace names the checkpoint, its revision,
+the engine's dtype and the vLLM release, so encoders of other checkpoints, dtypes or releases never
+share outputs.
 
 Puts run on a background thread, each under a lease that pins its fill until the bytes are
 out. Pinned fills cannot be evicted, so the bytes waiting to be put are bounded: past the bound
@@ -161,5 +162,9 @@ class SharedTier:
 
 def namespace_for(model: str, revision: str | None, dtype: str) -> str:
     """Outputs are shared only between engines of one checkpoint (by its path, the same in every
-    pod of a deployment), revision and dtype."""
-    return hashlib.sha256(f"{os.path.normpath(model)}\0{revision or ''}\0{dtype}".encode()).hexdigest()[:16]
+    pod of a deployment), revision, dtype and vLLM release: vLLM's media loaders and processors
+    decide which frames and pixels an item's hash stands for, and they change between releases,
+    so encoders of two releases in one rolling upgrade never trade outputs."""
+    import vllm
+
+    return hashlib.sha256(f"{os.path.normpath(model)}\0{revision or ''}\0{dtype}\0{vllm.__version__}".encode()).hexdigest()[:16]
