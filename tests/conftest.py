@@ -23,6 +23,7 @@ from epd.v1 import gateway_pb2_grpc
 from services.engine_stage import HandoffSeal
 from tests.helpers import SMALL_KV_CACHE, close_channels, gateway_stub
 from tests.otlp import OtlpReceiver
+from tests.vllm_chat import LlmChatOracle
 
 DEFAULT_FAMILY = "qwen2_5_vl"
 CHECKPOINT_ROOT = pathlib.Path(os.environ.get("EPD_TEST_CHECKPOINTS", pathlib.Path(__file__).resolve().parents[1] / "checkpoints"))
@@ -146,6 +147,12 @@ def otlp_receiver():
     receiver.start()
     yield receiver
     receiver.stop()
+
+
+@pytest.fixture(scope="session")
+def llm_chat_oracle(tmp_path_factory) -> LlmChatOracle:
+    """vLLM's own chat path (``LLM.chat``) as the oracle, one engine per family for the session."""
+    return LlmChatOracle(tmp_path_factory.mktemp("llm-chat"))
 
 
 @pytest.fixture(scope="session")

@@ -8,13 +8,13 @@ import asyncio
 
 import pytest
 
-from devkit.checkpoints import FAMILIES, MODALITIES
-from devkit.media import synthetic_image_png, synthetic_video
+from devkit.checkpoints import AUDIO_FAMILIES, FAMILIES, MODALITIES, NON_QWEN_FAMILIES
+from devkit.media import noise_flac, sine_wav, synthetic_image_png, synthetic_video
 from epd.client import chat_request, content_part, generate
 from epd.v1 import common_pb2, gateway_pb2
-from tests.conftest import DISAGGREGATED_MODES, checkpoint
+from tests.conftest import BF16, DISAGGREGATED_MODES, checkpoint, stack_key
 from tests.helpers import MIN_TOKENS, assert_matches_monolithic
-from tests.vllm_chat import chat_messages, run_llm_chat
+from tests.vllm_chat import chat_messages
 
 
 def _image(width: int, height: int, seed: int) -> tuple[bytes, str]:
@@ -42,15 +42,42 @@ CHATS = {
         ("user", ["\nAnd now?  "]),
     ],
 }
-# For the families that take video: a clip between texts, which vLLM's chat path loads and samples
-# itself (EPD's encoder decodes and samples it with its own decoder).
+# For the families that take video: a clip between texts, which vLLM's chat path loads itself.
 VIDEO_CHATS = {
-    "video_between_text": lambda: [("user", ["Watch this:", (synthetic_video(96, 64, 16, fps=8.0, seed=7), "video/mp4"), "What happens?"])],
+    "video_between_text": lambda: [("user", ["Watch this:", _clip(7), "What happens?"])],
+}
+# For the families that take audio, one clip a prompt (Audio Flamingo 3's limit), at the tower's
+# rate (16 kHz): vLLM's chat path would resample another rate with torchaudio, which does not load
+# on CPU torch (README: Audio).
+AUDIO_CHATS = {
+    "audio_between_text": lambda: [("user", ["Listen:", (noise_flac(1.0, seed=1), "audio/flac"), "What do you hear?"])],
+    "whitespace_audio_parts_and_turns": lambda: [
+        ("system", ["  You answer in one word. "]),
+        ("user", ["   First this,  ", (sine_wav(0.6, seed=2), "audio/wav"), "\nthen that.\t"]),
+        ("assistant", [" A tone.\n"]),
+        ("user", ["\nAnd now?  "]),
+    ],
+}
+# For the Omni thinkers, which take all three in one prompt.
+MIXED_CHATS = {
+    "audio_image_and_video": lambda: [("user", [(sine_wav(1.0, seed=4), "audio/wav"), _image(112, 112, 8), _clip(9), "What is going on?"])],
 }
 CHAT_MAX_TOKENS = 24
-# The image families whose monolithic oracle is checked against LLM.chat here; LLaVA-NeXT's,
-# GLM-4.1V's and InternVL's disaggregated runs are compared with that oracle in test_models.py.
-CHAT_FAMILIES = (*FAMILIES, "llava_next", "glm4v", "internvl")
+# Every family, each in a dtype its stack is tested in: its chats through EPD (monolithic, E/P/D,
+# E+PD) equal vLLM's LLM.chat, in float32 and, for three families, in bfloat16 too.
+CHAT_FAMILIES = (
+    *FAMILIES,
+    *AUDIO_FAMILIES,
+    "qwen3_omni_moe",
+    stack_key("qwen2_5_omni", BF16),
+    *NON_QWEN_FAMILIES,
+    stack_key("llava_next", BF16),
+    stack_key("internvl", BF16),
+)
+
+
+def _clip(seed: int) -> tuple[bytes, str]:
+    return synthetic_video(96, 64, 16, fps=8.0, seed=seed), "video/mp4"
 
 
 def _chat_request(messages: list[tuple[str, list]]) -> gateway_pb2.GenerateRequest:
@@ -60,34 +87,44 @@ def _chat_request(messages: list[tuple[str, list]]) -> gateway_pb2.GenerateReque
     )
 
 
-def _chats_of(family: str) -> dict:
-    return CHATS | VIDEO_CHATS if "video" in MODALITIES[family] else CHATS
+def _chats_of(key: str) -> dict:
+    modalities = MODALITIES[key.partition("@")[0]]
+    chats = {
+        **(CHATS if "image" in modalities else {}),
+        **(VIDEO_CHATS if "video" in modalities else {}),
+        **(AUDIO_CHATS if "audio" in modalities else {}),
+    }
+    return chats | MIXED_CHATS if len(modalities) == 3 else chats
 
 
 def _chat_params() -> list:
     return [(family, chat) for family in CHAT_FAMILIES for chat in _chats_of(family)]
 
 
-@pytest.fixture(scope="module")
-def llm_chat(tmp_path_factory) -> dict[str, dict[str, dict]]:
-    """Every family's chats through vLLM's LLM.chat, one engine per family, in one process."""
+@pytest.fixture
+def llm_chat(llm_chat_oracle, family) -> dict[str, dict]:
+    """The family's chats through vLLM's LLM.chat, in the dtype of its stack."""
 
-    def job(family: str) -> dict:
-        chats = {name: {"messages": chat_messages(build()), "max_tokens": CHAT_MAX_TOKENS, "min_tokens": MIN_TOKENS} for name, build in _chats_of(family).items()}
-        limits = {"image": 3} | ({"video": 1} if "video" in MODALITIES[family] else {})
-        return {"model": str(checkpoint(family)), "dtype": "float32", "limit_mm_per_prompt": limits, "chats": chats}
+    def job() -> dict:
+        name, _, dtype = family.partition("@")
+        chats = {chat: {"messages": chat_messages(build()), "max_tokens": CHAT_MAX_TOKENS, "min_tokens": MIN_TOKENS} for chat, build in _chats_of(family).items()}
+        limits = {modality: 3 for modality in MODALITIES[name]}
+        return {"model": str(checkpoint(name)), "dtype": dtype or "float32", "limit_mm_per_prompt": limits, "chats": chats}
 
-    return run_llm_chat([job(family) for family in CHAT_FAMILIES], tmp_path_factory.mktemp("llm-chat"))
+    return llm_chat_oracle.answers(family, job)
 
 
 @pytest.mark.parametrize(("family", "chat"), _chat_params())
-async def test_monolithic_equals_vllm_llm_chat(family_stack, family, chat, llm_chat):
-    """The oracle itself against vLLM's chat path: the same prompt ids and greedy tokens."""
-    expected = llm_chat[str(checkpoint(family))][chat]
-    result = await generate(family_stack.gateway_stub("monolithic"), _chat_request(_chats_of(family)[chat]()), timeout=180)
+async def test_every_mode_equals_vllm_llm_chat(family_stack, family, chat, llm_chat):
+    """EPD against vLLM's chat path, the same messages: the monolithic oracle, E/P/D and E+PD
+    give vLLM's prompt ids and greedy tokens."""
+    expected = llm_chat[chat]
     assert len(expected["token_ids"]) >= MIN_TOKENS
-    assert result.finished.usage.prompt_tokens == len(expected["prompt_token_ids"])
-    assert result.token_ids == expected["token_ids"]
+    request = _chat_request(_chats_of(family)[chat]())
+    for mode in ("monolithic", *DISAGGREGATED_MODES):
+        result = await generate(family_stack.gateway_stub(mode), request, timeout=180)
+        assert result.finished.usage.prompt_tokens == len(expected["prompt_token_ids"]), mode
+        assert result.token_ids == expected["token_ids"], mode
 
 
 @pytest.mark.parametrize("family", FAMILIES)

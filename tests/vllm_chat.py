@@ -2,8 +2,9 @@
 given the same messages (media as data URLs, which vLLM loads itself) and greedy sampling.
 
 It runs in a process of its own (``run_llm_chat``), each checkpoint's engine in that process, one
-after another, so the test process never imports an engine and the suite starts one engine per
-checkpoint for all its chats.
+after another, so the test process never imports an engine. :class:`LlmChatOracle` runs each
+family's chats once a session, when its first test asks (the suite runs a family's tests
+together, beside its stack), so only the families a run selects start an engine.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import os
 import pathlib
 import subprocess
 import sys
+from collections.abc import Callable
 from typing import Any
 
 _URL_PART = {"image": "image_url", "video": "video_url", "audio": "audio_url"}
@@ -43,6 +45,23 @@ def run_llm_chat(jobs: list[dict], scratch: pathlib.Path) -> dict[str, dict[str,
     done = subprocess.run([sys.executable, __file__, str(jobs_file), str(results_file)], env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return json.loads(results_file.read_text())
+
+
+class LlmChatOracle:
+    """vLLM's answers to each key's chats, computed on first use and kept for the session."""
+
+    def __init__(self, scratch: pathlib.Path):
+        self._scratch = scratch
+        self._answers: dict[str, dict[str, dict]] = {}
+
+    def answers(self, key: str, job: Callable[[], dict]) -> dict[str, dict]:
+        """Chat name -> ``token_ids`` and ``prompt_token_ids`` for ``job()`` (see :func:`run_llm_chat`)."""
+        if key not in self._answers:
+            scratch = self._scratch / key.replace("@", "-")
+            scratch.mkdir()
+            spec = job()
+            self._answers[key] = run_llm_chat([spec], scratch)[spec["model"]]
+        return self._answers[key]
 
 
 def _run(jobs: list[dict]) -> dict[str, dict[str, dict]]:
