@@ -71,7 +71,7 @@ OMNI_FAMILIES: tuple[str, ...] = ("qwen2_5_omni", "qwen3_omni_moe")
 # Families from outside Qwen: NVIDIA's Audio Flamingo 3 (Whisper-style tower, Qwen2 LM),
 # LLaVA-NeXT (a CLIP tower over "anyres" tiles, a Llama LM), Zhipu's GLM-4.1V (a Qwen2-VL-like
 # patch-grid tower, a GLM-4 LM) and OpenGVLab's InternVL (InternViT over tiles, a Qwen2 LM).
-NON_QWEN_FAMILIES: tuple[str, ...] = ("audioflamingo3", "llava_next", "glm4v", "internvl")
+NON_QWEN_FAMILIES: tuple[str, ...] = ("audioflamingo3", "llava_next", "glm4v", "internvl", "mistral3", "idefics3")
 ALL_FAMILIES: tuple[str, ...] = FAMILIES + AUDIO_FAMILIES + OMNI_FAMILIES + NON_QWEN_FAMILIES
 # The media each family takes, as vLLM names the modalities.
 MODALITIES: dict[str, tuple[str, ...]] = {
@@ -84,6 +84,8 @@ MODALITIES: dict[str, tuple[str, ...]] = {
     "llava_next": ("image",),
     "glm4v": ("image", "video"),
     "internvl": ("image", "video"),
+    "mistral3": ("image",),
+    "idefics3": ("image",),
 }
 
 # Language-model and vision-tower sizes are per scale (see _SCALES) and shared by every
@@ -227,6 +229,30 @@ _LLAVA_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
     ("<|im_start|>", True),
     ("<|im_end|>", True),
     ("<image>", True),
+)
+
+# Idefics3 (and SmolVLM v1, the same architecture): Llama 3's text start, the turn end, the image
+# placeholder (one per feature), the marker around each tile, the whole image's tag, and a tag
+# per tile position (up to 2 x 2 tiles here).
+_IDEFICS3_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
+    ("<|endoftext|>", True),
+    ("<|begin_of_text|>", True),
+    ("<end_of_utterance>", True),
+    ("<image>", True),
+    ("<fake_token_around_image>", True),
+    ("<global-img>", True),
+    *((f"<row_{row}_col_{col}>", True) for row in (1, 2) for col in (1, 2)),
+)
+
+# Mistral 3 (Mistral-Small-3.1's HF release) on a ChatML tokenizer: the turn markers, then
+# Pixtral's image placeholder (one per feature), its row break and its end.
+_MISTRAL3_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
+    ("<|endoftext|>", True),
+    ("<|im_start|>", True),
+    ("<|im_end|>", True),
+    ("[IMG]", True),
+    ("[IMG_BREAK]", True),
+    ("[IMG_END]", True),
 )
 
 # InternVL3 ("-hf" releases): Qwen2.5's ChatML tokens, then the image markers, the image context
@@ -373,6 +399,8 @@ def _chatml_template(placeholders: Mapping[str, str]) -> str:
 _AUDIOFLAMINGO3_CHAT_TEMPLATE = _chatml_template({"audio": "<sound>"})
 # LLaVA (llava-hf's LLaVA-OneVision and interleave releases): "<image>\n" per image part.
 _LLAVA_CHAT_TEMPLATE = _chatml_template({"image": "<image>\n"})
+# Mistral 3: a bare [IMG] per image part, which its processor (and vLLM) expand to the feature rows.
+_MISTRAL3_CHAT_TEMPLATE = _chatml_template({"image": "[IMG]"})
 # InternVL (OpenGVLab's "-hf" releases): its image context token and "<video>", each on a line.
 _INTERNVL_CHAT_TEMPLATE = _chatml_template({"image": "<IMG_CONTEXT>\n", "video": "<video>\n"})
 
@@ -385,6 +413,18 @@ _GLM4V_CHAT_TEMPLATE = (
     + _content({"image": "<|begin_of_image|><|image|><|end_of_image|>", "video": "<|begin_of_video|><|video|><|end_of_video|>"})
     + "{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)
+
+
+# Idefics3's (and SmolVLM v1's) template: "<|begin_of_text|>", then "Role:" turns (a space after
+# the colon unless the turn opens with an image) ended by "<end_of_utterance>", an "<image>" per
+# image part, and "Assistant:" to prompt the answer.
+_IDEFICS3_CHAT_TEMPLATE = (
+    "<|begin_of_text|>{% for message in messages %}{{ message['role'] | capitalize }}"
+    "{% if message['content'] is not string and message['content'][0]['type'] == 'image' %}{{ ':' }}{% else %}{{ ': ' }}{% endif %}"
+    + _content({"image": "<image>"})
+    + "<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )
 
 
@@ -600,6 +640,31 @@ class _InternVLFamily(_TiledFamily):
         return (self.tile_px // self.patch_size // 2) ** 2
 
 
+@dataclass(frozen=True)
+class _PixtralFamily(_TiledFamily):
+    """Mistral 3 (Mistral-Small-3.1/3.2, Magistral): a Pixtral tower over the whole image at its
+    own aspect ratio (resized to fit ``tile_px`` a side, rounded up to whole patches, 2-D RoPE),
+    its features merged 2 x 2 by a patch merger, and a Mistral LM. One ``[IMG]`` per merged
+    feature, ``[IMG_BREAK]`` closing each row, ``[IMG_END]`` the last."""
+
+    spatial_merge: int = 2
+
+
+@dataclass(frozen=True)
+class _Idefics3Family(_TiledFamily):
+    """Idefics3 (and SmolVLM v1, released under this architecture): a SigLIP tower over square
+    tiles (the image fitted within ``max_tiles`` tiles a side and cut into them, plus the whole
+    image downscaled to one tile), each tile's patches pixel-shuffled ``scale_factor`` x
+    ``scale_factor`` into :attr:`features_per_tile` features, a linear connector and a Llama LM."""
+
+    scale_factor: int = 2
+    max_tiles: int = 2
+
+    @property
+    def features_per_tile(self) -> int:
+        return (self.tile_px // self.patch_size // self.scale_factor) ** 2
+
+
 _Spec = _Family | _AudioFamily | _TiledFamily
 _FAMILY_SPECS: dict[str, _Spec] = {
     "qwen2_5_vl": _Family(
@@ -669,6 +734,25 @@ _FAMILY_SPECS: dict[str, _Spec] = {
         added_tokens=_LLAVA_ADDED_TOKENS,
         chat_template=_LLAVA_CHAT_TEMPLATE,
         rope_theta=10_000.0,
+    ),
+    "mistral3": _PixtralFamily(
+        architecture="Mistral3ForConditionalGeneration",
+        processor_class="PixtralProcessor",
+        added_tokens=_MISTRAL3_ADDED_TOKENS,
+        chat_template=_MISTRAL3_CHAT_TEMPLATE,
+        rope_theta=1_000_000_000.0,
+        tile_px=112,  # the longest edge: 8 x 8 patches, 4 x 4 features at most
+    ),
+    "idefics3": _Idefics3Family(
+        architecture="Idefics3ForConditionalGeneration",
+        processor_class="Idefics3Processor",
+        added_tokens=_IDEFICS3_ADDED_TOKENS,
+        chat_template=_IDEFICS3_CHAT_TEMPLATE,
+        rope_theta=500_000.0,
+        tile_px=64,  # 4 x 4 patches a tile, 2 x 2 features
+        patch_size=16,
+        eos_token="<end_of_utterance>",
+        stop_tokens=("<end_of_utterance>", "<|endoftext|>"),
     ),
     "internvl": _InternVLFamily(
         architecture="InternVLForConditionalGeneration",
@@ -846,6 +930,10 @@ def build_tiny_checkpoint(
         config = _build_llava_next_config(spec, sizes, vocab_size=tokenizer.get_vocab_size(), token_ids=token_ids)
     elif isinstance(spec, _InternVLFamily):
         config = _build_internvl_config(spec, sizes, vocab_size=tokenizer.get_vocab_size(), token_ids=token_ids)
+    elif isinstance(spec, _Idefics3Family):
+        config = _build_idefics3_config(spec, sizes, vocab_size=tokenizer.get_vocab_size(), token_ids=token_ids)
+    elif isinstance(spec, _PixtralFamily):
+        config = _build_mistral3_config(spec, sizes, vocab_size=tokenizer.get_vocab_size(), token_ids=token_ids)
     elif isinstance(spec, _OmniFamily):
         config = _build_omni_config(family, spec, sizes, vocab_size=tokenizer.get_vocab_size(), token_ids=token_ids, tokenizer=tokenizer)
     else:
@@ -865,6 +953,10 @@ def build_tiny_checkpoint(
         _write_llava_next_processor_configs(out, spec)
     elif isinstance(spec, _InternVLFamily):
         _write_internvl_processor_configs(out, spec)
+    elif isinstance(spec, _PixtralFamily):
+        _write_pixtral_processor_configs(out, spec)
+    elif isinstance(spec, _Idefics3Family):
+        _write_idefics3_processor_configs(out, spec)
     else:
         _write_processor_configs(out, spec, sizes)
     if isinstance(spec, _OmniFamily) and spec.speaker_file:
@@ -1163,6 +1255,17 @@ def _build_glm4v_config(spec: _Family, sizes: _Scale, *, vocab_size: int, token_
     )
 
 
+def _tower_sizes(sizes: _Scale) -> dict[str, Any]:
+    """A tiled family's vision tower: the scale's sizes, in the names transformers' towers share."""
+    return {
+        "hidden_size": sizes.vision_hidden,
+        "intermediate_size": sizes.vision_intermediate,
+        "num_hidden_layers": sizes.vision_depth,
+        "num_attention_heads": sizes.vision_heads,
+        "initializer_range": sizes.vision_init_std,
+    }
+
+
 def _chatml_text_config(model_type: str, spec: _TiledFamily, sizes: _Scale, *, vocab_size: int, token_ids: Mapping[str, int]) -> dict[str, Any]:
     """A tiled family's language model: the scale's sizes as ``model_type``, ChatML's ids, untied."""
     return _text_config(sizes, vocab_size) | {
@@ -1183,15 +1286,7 @@ def _build_internvl_config(spec: _InternVLFamily, sizes: _Scale, *, vocab_size: 
     import transformers
 
     text_config = _chatml_text_config("qwen2", spec, sizes, vocab_size=vocab_size, token_ids=token_ids)
-    vision_config = {
-        "hidden_size": sizes.vision_hidden,
-        "intermediate_size": sizes.vision_intermediate,
-        "num_hidden_layers": sizes.vision_depth,
-        "num_attention_heads": sizes.vision_heads,
-        "image_size": [spec.tile_px, spec.tile_px],
-        "patch_size": [spec.patch_size, spec.patch_size],
-        "initializer_range": sizes.vision_init_std,
-    }
+    vision_config = _tower_sizes(sizes) | {"image_size": [spec.tile_px, spec.tile_px], "patch_size": [spec.patch_size, spec.patch_size]}
     return transformers.InternVLConfig(
         text_config=text_config,
         vision_config=vision_config,
@@ -1212,17 +1307,12 @@ def _build_llava_next_config(spec: _LlavaNextFamily, sizes: _Scale, *, vocab_siz
     import transformers
 
     text_config = _chatml_text_config("llama", spec, sizes, vocab_size=vocab_size, token_ids=token_ids) | {"head_dim": sizes.head_dim}
-    vision_config = {
+    vision_config = _tower_sizes(sizes) | {
         "model_type": "clip_vision_model",
-        "hidden_size": sizes.vision_hidden,
-        "intermediate_size": sizes.vision_intermediate,
-        "num_hidden_layers": sizes.vision_depth,
-        "num_attention_heads": sizes.vision_heads,
         "image_size": spec.tile_px,
         "patch_size": spec.patch_size,
         "projection_dim": sizes.vision_hidden,
         "hidden_act": "quick_gelu",
-        "initializer_range": sizes.vision_init_std,
     }
     return transformers.LlavaNextConfig(
         text_config=text_config,
@@ -1231,6 +1321,61 @@ def _build_llava_next_config(spec: _LlavaNextFamily, sizes: _Scale, *, vocab_siz
         image_grid_pinpoints=spec.grid_pinpoints,
         vision_feature_layer=-2,
         vision_feature_select_strategy="default",
+        tie_word_embeddings=False,
+        architectures=[spec.architecture],
+        dtype="float32",
+    )
+
+
+def _build_idefics3_config(spec: _Idefics3Family, sizes: _Scale, *, vocab_size: int, token_ids: Mapping[str, int]) -> PreTrainedConfig:
+    """Builds the ``Idefics3Config``: the scale's tower sizes as a SigLIP tower over one tile,
+    the scale's LM as a Llama ending its turns with ``<end_of_utterance>``, pixel shuffle by
+    ``scale_factor``."""
+    import transformers
+
+    text_config = _text_config(sizes, vocab_size) | {
+        "model_type": "llama",
+        "head_dim": sizes.head_dim,
+        "rope_parameters": {"rope_type": "default", "rope_theta": spec.rope_theta},
+        "bos_token_id": token_ids["<|begin_of_text|>"],
+        "eos_token_id": token_ids["<end_of_utterance>"],
+        "pad_token_id": token_ids["<|endoftext|>"],
+        "tie_word_embeddings": False,
+        "dtype": "float32",
+    }
+    vision_config = _tower_sizes(sizes) | {"image_size": spec.tile_px, "patch_size": spec.patch_size}
+    return transformers.Idefics3Config(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_id=token_ids["<image>"],
+        scale_factor=spec.scale_factor,
+        pad_token_id=token_ids["<|endoftext|>"],
+        tie_word_embeddings=False,
+        architectures=[spec.architecture],
+        dtype="float32",
+    )
+
+
+def _build_mistral3_config(spec: _PixtralFamily, sizes: _Scale, *, vocab_size: int, token_ids: Mapping[str, int]) -> PreTrainedConfig:
+    """Builds the ``Mistral3Config``: the scale's tower sizes as a Pixtral tower over the longest
+    edge, the scale's LM as a Mistral, and the released feature choices (the last tower layer,
+    a 2 x 2 patch merger, no projector bias)."""
+    import transformers
+
+    text_config = _chatml_text_config("mistral", spec, sizes, vocab_size=vocab_size, token_ids=token_ids) | {"head_dim": sizes.head_dim}
+    vision_config = _tower_sizes(sizes) | {
+        "model_type": "pixtral",
+        "head_dim": sizes.vision_hidden // sizes.vision_heads,
+        "image_size": spec.tile_px,
+        "patch_size": spec.patch_size,
+    }
+    return transformers.Mistral3Config(
+        text_config=text_config,
+        vision_config=vision_config,
+        image_token_index=token_ids["[IMG]"],
+        spatial_merge_size=spec.spatial_merge,
+        vision_feature_layer=-1,
+        multimodal_projector_bias=False,
         tie_word_embeddings=False,
         architectures=[spec.architecture],
         dtype="float32",
@@ -1457,6 +1602,50 @@ def _write_internvl_processor_configs(out: pathlib.Path, spec: _InternVLFamily) 
     _write_json(out / "processor_config.json", {"processor_class": spec.processor_class, "image_seq_length": spec.features_per_tile})
 
 
+def _write_idefics3_processor_configs(out: pathlib.Path, spec: _Idefics3Family) -> None:
+    """Writes Idefics3's image processor config (split into tiles of the tower's edge, at most
+    ``max_tiles`` a side, SigLIP's normalisation) and the processor's (features per tile)."""
+    image = {
+        "image_processor_type": "Idefics3ImageProcessor",
+        "processor_class": spec.processor_class,
+        "do_convert_rgb": True,
+        "do_resize": True,
+        "size": {"longest_edge": spec.max_tiles * spec.tile_px},
+        "resample": 1,  # Lanczos
+        "do_image_splitting": True,
+        "max_image_size": {"longest_edge": spec.tile_px},
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+        "do_pad": True,
+    }
+    _write_json(out / "preprocessor_config.json", image)
+    _write_json(out / "processor_config.json", {"processor_class": spec.processor_class, "image_seq_len": spec.features_per_tile})
+
+
+def _write_pixtral_processor_configs(out: pathlib.Path, spec: _PixtralFamily) -> None:
+    """Writes Pixtral's image processor config (fit within the longest edge, whole patches,
+    CLIP's normalisation) and the processor's (its tokens, the patch and merge sizes)."""
+    image = _CLIP_IMAGE_PROCESSING | {
+        "image_processor_type": "PixtralImageProcessor",
+        "processor_class": spec.processor_class,
+        "size": {"longest_edge": spec.tile_px},
+        "patch_size": {"height": spec.patch_size, "width": spec.patch_size},
+    }
+    _write_json(out / "preprocessor_config.json", image)
+    processor = {
+        "processor_class": spec.processor_class,
+        "patch_size": spec.patch_size,
+        "spatial_merge_size": spec.spatial_merge,
+        "image_token": "[IMG]",
+        "image_break_token": "[IMG_BREAK]",
+        "image_end_token": "[IMG_END]",
+    }
+    _write_json(out / "processor_config.json", processor)
+
+
 def _write_audio_processor_configs(out: pathlib.Path, spec: _AudioFamily) -> None:
     """Writes the Whisper feature extractor config (the released Qwen2-Audio's settings) and
     the processor config."""
@@ -1544,6 +1733,10 @@ def _on_disk(config: PreTrainedConfig, model: Any) -> tuple[dict[str, torch.Tens
         # The "-hf" releases are saved by transformers itself: its in-memory names.
         return model.state_dict(), _is_vision_tower_tensor
     shapes = revert_weight_conversion(model, model.state_dict())
+    if config.model_type == "mistral3":
+        return shapes, _is_vision_tower_tensor
+    if config.model_type == "idefics3":
+        return shapes, _is_idefics3_tower_tensor
     if config.model_type == "llava_next":
         clip = _LLAVA_CLIP_PREFIX
         return {_LLAVA_CLIP_DISK_PREFIX + name.removeprefix(clip) if name.startswith(clip) else name: t for name, t in shapes.items()}, _is_vision_tower_tensor
@@ -1568,6 +1761,10 @@ def _is_tower_tensor(name: str) -> bool:
 
 def _is_vision_tower_tensor(name: str) -> bool:
     return not _VISION_TOWER_MODULES.isdisjoint(name.split("."))
+
+
+def _is_idefics3_tower_tensor(name: str) -> bool:
+    return name.startswith(("model.vision_model.", "model.connector."))
 
 
 def _is_audio_tower_tensor(name: str) -> bool:

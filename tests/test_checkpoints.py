@@ -195,7 +195,7 @@ def test_unknown_family_is_rejected(tmp_path: pathlib.Path) -> None:
         build_tiny_checkpoint("llava", tmp_path)
     assert FAMILIES + AUDIO_FAMILIES == ("qwen2_5_vl", "qwen3_vl", "qwen2_audio")
     assert ALL_FAMILIES == FAMILIES + AUDIO_FAMILIES + OMNI_FAMILIES + NON_QWEN_FAMILIES
-    assert OMNI_FAMILIES == ("qwen2_5_omni", "qwen3_omni_moe") and NON_QWEN_FAMILIES == ("audioflamingo3", "llava_next", "glm4v", "internvl")
+    assert OMNI_FAMILIES == ("qwen2_5_omni", "qwen3_omni_moe") and NON_QWEN_FAMILIES == ("audioflamingo3", "llava_next", "glm4v", "internvl", "mistral3", "idefics3")
     assert set(MODALITIES) == set(ALL_FAMILIES)
 
 
@@ -407,6 +407,8 @@ TOWER_PREFIXES = {
     "llava_next": ("vision_tower.vision_model.", "multi_modal_projector.", "image_newline"),
     "glm4v": ("model.visual.",),
     "internvl": ("model.vision_tower.", "model.multi_modal_projector."),
+    "mistral3": ("vision_tower.", "multi_modal_projector."),
+    "idefics3": ("model.vision_model.", "model.connector."),
 }
 LM_PREFIXES = {
     "qwen2_5_omni": ("thinker.model.", "thinker.lm_head."),
@@ -415,6 +417,8 @@ LM_PREFIXES = {
     "llava_next": ("language_model.model.", "language_model.lm_head."),
     "glm4v": ("model.language_model.", "lm_head."),
     "internvl": ("model.language_model.", "lm_head."),
+    "mistral3": ("language_model.model.", "language_model.lm_head."),
+    "idefics3": ("model.text_model.", "lm_head."),
 }
 # What each family's chat template puts in place of an image, video or audio content part.
 PLACEHOLDERS = {
@@ -432,12 +436,16 @@ PLACEHOLDERS = {
     "llava_next": {"image": "<image>\n"},
     "glm4v": {"image": "<|begin_of_image|><|image|><|end_of_image|>", "video": "<|begin_of_video|><|video|><|end_of_video|>"},
     "internvl": {"image": "<IMG_CONTEXT>\n", "video": "<video>\n"},
+    "mistral3": {"image": "[IMG]"},
+    "idefics3": {"image": "<image>"},
 }
 # How each family's template renders multimodal_messages ({} for its placeholders): ChatML with a
 # default system prompt, or the family's own turns.
 RENDERED_CHAT = {
     "glm4v": "[gMASK]<sop><|user|>\n{}Describe this.<|assistant|>\n",
+    "idefics3": "<|begin_of_text|>User:{}Describe this.<end_of_utterance>\nAssistant:",
 }
+EOS_TOKENS = {"glm4v": "<|endoftext|>", "idefics3": "<end_of_utterance>"}
 CHATML = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n{}Describe this.<|im_end|>\n<|im_start|>assistant\n"
 TOWER_SHARD = "model-00001-of-00003.safetensors"
 
@@ -578,7 +586,7 @@ def test_multimodal_transformers_loads_processes_and_generates(multimodal_checkp
     if "audio" in MODALITIES[family]:
         assert type(processor.feature_extractor).__name__ == "WhisperFeatureExtractor"
         assert processor.feature_extractor.sampling_rate == AUDIO_RATE
-    assert tokenizer.eos_token == ("<|endoftext|>" if family == "glm4v" else "<|im_end|>") and tokenizer.pad_token == "<|endoftext|>"
+    assert tokenizer.eos_token == EOS_TOKENS.get(family, "<|im_end|>") and tokenizer.pad_token == "<|endoftext|>"
     token_id = tokenizer.convert_tokens_to_ids
     if family in OMNI_FAMILIES:
         thinker = config.thinker_config
@@ -619,6 +627,21 @@ def test_multimodal_transformers_loads_processes_and_generates(multimodal_checkp
         # Each tile's patches, pixel-shuffled 2 x 2, are the context tokens the processor puts per tile.
         patches = config.vision_config.image_size[0] // config.vision_config.patch_size[0]
         assert processor.image_seq_length == config.image_seq_length == (patches // 2) ** 2
+    elif family == "mistral3":
+        assert config.image_token_index == processor.image_token_id == token_id("[IMG]")
+        assert (processor.image_break_token, processor.image_end_token) == ("[IMG_BREAK]", "[IMG_END]")
+        assert type(processor.image_processor).__name__ == "PixtralImageProcessor"
+        # Pixtral fits an image within the tower's edge, in whole patches merged 2 x 2.
+        assert processor.image_processor.size == {"longest_edge": config.vision_config.image_size}
+        assert processor.patch_size == config.vision_config.patch_size and processor.spatial_merge_size == config.spatial_merge_size == 2
+    elif family == "idefics3":
+        assert config.image_token_id == processor.image_token_id == token_id("<image>")
+        assert (processor.fake_image_token, processor.global_image_tag) == ("<fake_token_around_image>", "<global-img>")
+        assert type(processor.image_processor).__name__ == "Idefics3ImageProcessor"
+        # Tiles of the tower's edge, each tile's patches pixel-shuffled 2 x 2 into its features.
+        tile = config.vision_config.image_size
+        assert processor.image_processor.max_image_size == {"longest_edge": tile}
+        assert processor.image_seq_len == (tile // config.vision_config.patch_size // config.scale_factor) ** 2
     else:
         assert config.image_token_index == processor.image_token_id == token_id("<image>")
         assert type(processor.image_processor).__name__ == "LlavaNextImageProcessor"

@@ -1,13 +1,14 @@
 """Models beyond the Qwen-VL pair, with no code of ours per model: the Qwen2.5-Omni and Qwen3-Omni
-thinkers, NVIDIA's Audio Flamingo 3, LLaVA-NeXT, GLM-4.1V and InternVL 3. Greedy tokens equal
-the monolithic vLLM run of the same request in E/P/D and E+PD (which ``test_equivalence.py``
-compares with vLLM's own ``LLM.chat`` for the image families).
+thinkers, NVIDIA's Audio Flamingo 3, LLaVA-NeXT, GLM-4.1V, InternVL 3, Mistral 3 and Idefics3
+(SmolVLM v1's architecture). Greedy tokens equal the monolithic vLLM run of the same request in
+E/P/D and E+PD (``test_equivalence.py`` compares every mode with vLLM's own ``LLM.chat``).
 
 Every modality of these is metadata-only: no media reaches prefill or decode. vLLM declares the
 layout of Qwen2.5-Omni's, Qwen3-Omni's audio and Audio Flamingo 3's; EPD declares what vLLM 0.32
-leaves out (Qwen2.5-Omni's ``second_per_grid_ts``, Qwen3-Omni's image and video, LLaVA-NeXT's
-image, GLM-4.1V's and InternVL's image and video: ``epd/compat/``), and the recording proxy
-proves it for the Omni thinkers, LLaVA-NeXT, GLM-4.1V and InternVL.
+leaves out (Qwen2.5-Omni's ``second_per_grid_ts``, Qwen3-Omni's image and video, LLaVA-NeXT's,
+Mistral 3's and Idefics3's image, GLM-4.1V's and InternVL's image and video: ``epd/compat/``),
+and the recording proxy proves it for the Omni thinkers and every family from outside Qwen that
+takes images.
 
 Qwen2.5-Omni runs on one stack, in bfloat16 (the deployment dtype, where rounding makes identity
 hardest): its audio, image, video and audio-plus-image equivalence is ``test_bf16.py``'s, and its
@@ -40,46 +41,41 @@ def _tone(seconds: float, seed: int) -> tuple[bytes, str]:
     return sine_wav(seconds, freq=300.0 + 40 * seed, seed=seed), "audio/wav"
 
 
+def _wide_and_tall(seed: int) -> list:
+    return [_image(seed, 200, 60), _image(seed + 1, 80, 150), "Compare them."]
+
+
+# What the chats of test_equivalence.py (every mode against LLM.chat) do not hold: a wide and a
+# tall image in one prompt (other tile grids, grids or tile counts than the chats' near-square
+# images), an image beside a video, audio beside a video, a longer clip.
 CASES = {
-    "qwen3_omni_moe": {
-        "audio": lambda: [_tone(1.5, 6), "What do you hear?"],
-        "image": lambda: [_image(7), "What do you see?"],
-        "audio_and_video": lambda: [_tone(0.9, 8), _clip(9), "Describe both."],
-        "audio_image_and_video": lambda: [_tone(0.7, 17), "Then:", _image(18), _clip(19), "All three?"],
-    },
-    "audioflamingo3": {
-        "audio": lambda: [_tone(2.0, 10), "Transcribe."],
-        # Audio Flamingo 3 takes one clip per prompt (vLLM's limit for the model).
-        "audio_between_text": lambda: ["Listen to this:", _tone(3.1, 11), "What is it?"],
-    },
-    # Wide, tall and square images take different tile grids, and so different token counts.
-    "llava_next": {
-        "image": lambda: [_image(30, 160, 90), "What do you see?"],
-        "image_between_text": lambda: ["Look:", _image(31, 80, 150), "What is it?"],
-        "two_images": lambda: [_image(32, 120, 120), _image(33, 200, 60), "Compare them."],
-    },
+    "qwen3_omni_moe": {"audio_and_video": lambda: [_tone(0.9, 8), _clip(9), "Describe both."]},
+    "audioflamingo3": {"longer_clip": lambda: [_tone(3.1, 11), "Transcribe."]},
+    "llava_next": {"wide_and_tall_images": lambda: _wide_and_tall(30)},
     "glm4v": {
-        "image": lambda: [_image(40, 160, 90), "What do you see?"],
-        "image_between_text": lambda: ["Look:", _image(41, 80, 150), "What is it?"],
-        "two_images": lambda: [_image(42, 120, 120), _image(43, 200, 60), "Compare them."],
-        "video": lambda: [_clip(44), "What happens?"],
+        "wide_and_tall_images": lambda: _wide_and_tall(40),
         "image_and_video": lambda: [_image(45, 90, 150), "and", _clip(46), "Same scene?"],
     },
-    # Wide, tall and square images are cut into different tile counts.
     "internvl": {
-        "image": lambda: [_image(50, 160, 90), "What do you see?"],
-        "two_images": lambda: [_image(51, 120, 120), _image(52, 60, 200), "Compare them."],
-        "video": lambda: [_clip(53), "What happens?"],
+        "wide_and_tall_images": lambda: _wide_and_tall(50),
         "image_and_video": lambda: ["First:", _image(54, 200, 60), "then:", _clip(55), "Same scene?"],
     },
+    "mistral3": {"wide_and_tall_images": lambda: _wide_and_tall(60)},
+    "idefics3": {"wide_and_tall_images": lambda: _wide_and_tall(70)},
 }
 PARAMS = [(family, case) for family, cases in CASES.items() for case in cases]
 
 
+# Shards an encoder reads of the three of each tiny checkpoint: the tower's alone, except where
+# vLLM builds the LM head outside the language model (Idefics3), which then loads the head's shard.
+SHARDS_READ = {"idefics3": 2}
+
+
 @pytest.mark.parametrize("family", list(CASES))
 def test_the_encoder_reads_only_the_tower_shard(family_stack, family):
-    """vLLM's encoder-only engine loads the tower's shard alone (each tiny checkpoint has three)."""
-    assert "read 1 of 3 safetensors shards" in family_stack.encoder.log_path.read_text(errors="replace")
+    """vLLM's encoder-only engine skips every shard that holds language-model weights alone."""
+    read = SHARDS_READ.get(family, 1)
+    assert f"read {read} of 3 safetensors shards" in family_stack.encoder.log_path.read_text(errors="replace")
 
 
 @pytest.mark.parametrize(("family", "case"), PARAMS)
@@ -130,16 +126,21 @@ DECLARED_LAYOUT_MEDIA = {
     "llava_next": lambda: [_image(34, 200, 70), _image(35, 70, 180)],
     "glm4v": lambda: [_image(34, 200, 70), _image(35, 70, 180), _clip(36)],
     "internvl": lambda: [_image(34, 200, 70), _image(35, 120, 120), _clip(36)],
+    # A wide and a square image: Pixtral's and Idefics3's layouts of a wide and a tall image
+    # are transposes of each other, with as many tokens.
+    "mistral3": lambda: [_image(34, 200, 70), _image(35, 120, 120)],
+    "idefics3": lambda: [_image(34, 200, 70), _image(35, 120, 120)],
 }
 
 
 @pytest.mark.parametrize("family", list(DECLARED_LAYOUT_MEDIA))
 async def test_items_declared_by_epd_reach_prefill_and_decode_as_metadata_only(family_stack, family):
-    """vLLM 0.32 declares no metadata-only layout for LLaVA-NeXT's, GLM-4.1V's and InternVL's
-    images, nor GLM-4.1V's and InternVL's videos; with EPD's declarations
-    (epd/compat/vllm_llava_next.py: ``image_sizes``; vllm_glm4v.py: the patch grid, and a video's
-    sampling; vllm_internvl.py: the tile counts) the encoder publishes what lays each item out,
-    and prefill and decode lay it out from that: neither sees a pixel."""
+    """vLLM 0.32 declares no metadata-only layout for LLaVA-NeXT's, GLM-4.1V's, InternVL's,
+    Mistral 3's and Idefics3's images, nor GLM-4.1V's and InternVL's videos; with EPD's declarations
+    (epd/compat/vllm_llava_next.py and vllm_idefics3.py: the original size; vllm_glm4v.py: the
+    patch grid, and a video's sampling; vllm_internvl.py: the tile counts; vllm_mistral3.py: the
+    processed size) the encoder publishes what lays each item out, and prefill and decode lay it
+    out from that: neither sees a pixel."""
     media = DECLARED_LAYOUT_MEDIA[family]()
     request = chat_request([*media, "Which is wider?"], max_tokens=16, min_tokens=MIN_TOKENS)
     oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=180)
@@ -150,6 +151,12 @@ async def test_items_declared_by_epd_reach_prefill_and_decode_as_metadata_only(f
         if family == "llava_next":
             sizes = [list(item.metadata.engine_fields["image_sizes"].int_values) for item in items]
             assert sizes == [[70, 200], [180, 70]]  # (height, width), as the processor records them
+        elif family == "idefics3":
+            sizes = [list(item.metadata.engine_fields["image_sizes"].int_values) for item in items]
+            assert sizes == [[70, 200], [120, 120]]  # (height, width) of the original image
+        elif family == "mistral3":
+            sizes = [list(item.metadata.engine_fields["image_sizes"].int_values) for item in items]
+            assert sizes == [[56, 112], [112, 112]]  # (height, width) fitted within 112 px, in whole merged patches
         elif family == "internvl":
             tiles = [list(item.metadata.engine_fields[f"{kind}_num_patches"].int_values) for item, kind in zip(items, ("image", "image", "video"), strict=True)]
             # Tiles and a thumbnail: 3 x 1 for the wide image, 2 x 2 for the square one; a tile a frame.

@@ -19,35 +19,19 @@ from __future__ import annotations
 
 import functools
 
+from epd.compat.image_layout import install_image_metadata_parser
+
 _SIZES = "image_sizes"
 
 
 @functools.cache
 def install() -> None:
     from vllm.model_executor.models import llava_next
-    from vllm.multimodal.inputs import MultiModalFieldConfig
-    from vllm.multimodal.parse import DictEmbeddingItems, MultiModalDataParser
+    from vllm.multimodal.parse import DictEmbeddingItems
     from vllm.multimodal.processing import PromptReplacement
 
-    def fields(_data):
-        return {"image_embeds": MultiModalFieldConfig.batched("image"), _SIZES: MultiModalFieldConfig.batched("image", keep_on_cpu=True)}
-
-    class LlavaNextDataParser(MultiModalDataParser):
-        embedding_fields = {"image": {"image_embeds": "values", _SIZES: "metadata"}}
-
-        def _parse_image_data(self, data):
-            if not isinstance(data, dict):
-                return super()._parse_image_data(data)
-            required, optional = self.embedding_field_sets("image")
-            return DictEmbeddingItems(data, modality="image", required_fields=required, optional_fields=optional, fields_factory=fields)
-
-    info_class = llava_next.LlavaNextProcessingInfo
-    vllm_data_parser = info_class.get_data_parser
-
-    def get_data_parser(self):
-        if type(self) is not info_class:
-            return vllm_data_parser(self)
-        return LlavaNextDataParser(expected_hidden_size=self._get_expected_hidden_size(), allow_missing_mm_embeddings=self.allow_missing_mm_embeddings)
+    # The models built on LLaVA-NeXT's classes lay their items out otherwise.
+    install_image_metadata_parser(llava_next.LlavaNextProcessingInfo, _SIZES, subclasses=False)
 
     processor_class = llava_next.LlavaNextMultiModalProcessor
     vllm_prompt_updates = processor_class._get_prompt_updates
@@ -65,5 +49,4 @@ def install() -> None:
 
         return [PromptReplacement(modality="image", target=[token], replacement=replacement)]
 
-    info_class.get_data_parser = get_data_parser
     processor_class._get_prompt_updates = _get_prompt_updates

@@ -1,0 +1,70 @@
+"""A model-specific declaration: vLLM 0.32 declares no metadata-only layout for Idefics3's images
+(nor SmolVLM's, which shares its processing), so without it prefill and decode receive every
+image (EPD's declared fallback) and run its processor, though they never run the tower.
+
+Idefics3 cuts an image into a grid of tiles by its size, and the prompt names every tile's row
+and column (``<row_1_col_2>``) before its features, then the whole image's. vLLM builds that text
+from the image's original size alone (``Idefics3ProcessingInfo.get_image_repl``), which its
+processor knows only while it holds the pixels. So the encoder's processor adds the original
+size to its outputs as ``image_sizes`` (height, width), the item's metadata, and a consumer hands
+it back to vLLM's own ``get_image_repl``, with no pixels.
+
+Remove once vLLM declares the field. Installed with the other fixes
+(:func:`epd.compat.install_vllm_fixes`), in every process that parses multimodal inputs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from epd.compat.image_layout import install_image_metadata_parser, metadata_field
+
+_SIZES = "image_sizes"
+
+
+@functools.cache
+def install() -> None:
+    import torch
+    from vllm.model_executor.models import idefics3
+    from vllm.multimodal.parse import DictEmbeddingItems, ImageProcessorItems
+    from vllm.multimodal.processing import PromptReplacement, PromptUpdateDetails, cached_encode
+
+    # SmolVLM's processing info subclasses Idefics3's and lays images out alike.
+    install_image_metadata_parser(idefics3.Idefics3ProcessingInfo, _SIZES, subclasses=True)
+
+    processor_class = idefics3.Idefics3MultiModalProcessor
+    vllm_postprocess = processor_class._postprocess_hf_mm_data
+    vllm_fields = processor_class._get_mm_fields_config
+    vllm_prompt_updates = processor_class._get_prompt_updates
+
+    def _postprocess_hf_mm_data(self, mm_data, hf_processor_mm_kwargs, processed_data):
+        """vLLM's processing, plus each image's original size as the image's own field."""
+        processed = vllm_postprocess(self, mm_data, hf_processor_mm_kwargs, processed_data)
+        if mm_data:
+            images = self.info.parse_mm_data({"image": mm_data.get("images", [])}, validate=False).get_items("image", ImageProcessorItems)
+            sizes = [images.get_image_size(index) for index in range(len(images))]
+            processed[_SIZES] = torch.tensor([[size.height, size.width] for size in sizes])
+        return processed
+
+    def _get_mm_fields_config(self, hf_inputs, hf_processor_mm_kwargs):
+        fields = dict(vllm_fields(self, hf_inputs, hf_processor_mm_kwargs))
+        return fields | metadata_field(_SIZES) if _SIZES in hf_inputs else fields
+
+    def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs):
+        """vLLM's replacement for images it processed; for metadata-only ones, vLLM's own text
+        for an image of the recorded size."""
+        if not isinstance(mm_items.get("image"), DictEmbeddingItems):
+            return vllm_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs)
+        processor = self.info.get_hf_processor(**hf_processor_mm_kwargs)
+        tokenizer = self.info.get_tokenizer()
+
+        def replacement(index: int):
+            height, width = out_mm_kwargs["image"][index][_SIZES].data.tolist()
+            text = self.info.get_image_repl(image_width=width, image_height=height, processor=processor, mm_kwargs=hf_processor_mm_kwargs)
+            return PromptUpdateDetails.select_token_id(cached_encode(tokenizer, text, add_special_tokens=False), processor.image_token_id)
+
+        return [PromptReplacement(modality="image", target=[processor.image_token_id], replacement=replacement)]
+
+    processor_class._postprocess_hf_mm_data = _postprocess_hf_mm_data
+    processor_class._get_mm_fields_config = _get_mm_fields_config
+    processor_class._get_prompt_updates = _get_prompt_updates
