@@ -71,7 +71,7 @@ OMNI_FAMILIES: tuple[str, ...] = ("qwen2_5_omni", "qwen3_omni_moe")
 # Families from outside Qwen: NVIDIA's Audio Flamingo 3 (Whisper-style tower, Qwen2 LM),
 # LLaVA-NeXT (a CLIP tower over "anyres" tiles, a Llama LM), Zhipu's GLM-4.1V (a Qwen2-VL-like
 # patch-grid tower, a GLM-4 LM) and OpenGVLab's InternVL (InternViT over tiles, a Qwen2 LM).
-NON_QWEN_FAMILIES: tuple[str, ...] = ("audioflamingo3", "llava_next", "glm4v", "internvl", "mistral3", "idefics3")
+NON_QWEN_FAMILIES: tuple[str, ...] = ("audioflamingo3", "llava_next", "glm4v", "internvl", "mistral3", "idefics3", "gemma3")
 ALL_FAMILIES: tuple[str, ...] = FAMILIES + AUDIO_FAMILIES + OMNI_FAMILIES + NON_QWEN_FAMILIES
 # The media each family takes, as vLLM names the modalities.
 MODALITIES: dict[str, tuple[str, ...]] = {
@@ -86,6 +86,7 @@ MODALITIES: dict[str, tuple[str, ...]] = {
     "internvl": ("image", "video"),
     "mistral3": ("image",),
     "idefics3": ("image",),
+    "gemma3": ("image",),
 }
 
 # Language-model and vision-tower sizes are per scale (see _SCALES) and shared by every
@@ -242,6 +243,26 @@ _IDEFICS3_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
     ("<fake_token_around_image>", True),
     ("<global-img>", True),
     *((f"<row_{row}_col_{col}>", True) for row in (1, 2) for col in (1, 2)),
+)
+
+# Gemma 3: its turn and image tokens, the image's soft token (one per feature), and the newline
+# runs its SentencePiece vocabulary holds as single tokens (vLLM's Gemma 3 processor merges the
+# newlines around an image into them).
+_GEMMA3_ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
+    ("<|endoftext|>", True),
+    ("<bos>", True),
+    ("<eos>", True),
+    ("<start_of_turn>", True),
+    ("<end_of_turn>", True),
+    ("<start_of_image>", True),
+    ("<end_of_image>", True),
+    ("<image_soft_token>", True),
+    *((newlines, False) for newlines in ("\n", "\n\n", "\n\n\n", "\n\n\n\n")),
+)
+_GEMMA3_TOKEN_ATTRIBUTES: tuple[tuple[str, str], ...] = (
+    ("boi_token", "<start_of_image>"),
+    ("eoi_token", "<end_of_image>"),
+    ("image_token", "<image_soft_token>"),
 )
 
 # Mistral 3 (Mistral-Small-3.1's HF release) on a ChatML tokenizer: the turn markers, then
@@ -428,6 +449,30 @@ _IDEFICS3_CHAT_TEMPLATE = (
 )
 
 
+# Gemma 3's template, as released: "<bos>", a system message's text (not trimmed) prefixed to the
+# first user turn, "<start_of_turn>role" turns ("model" for the assistant) ended by
+# "<end_of_turn>", "<start_of_image>" per image, and every text part trimmed.
+_GEMMA3_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- if messages[0]['content'] is string -%}{%- set first_user_prefix = messages[0]['content'] + '\n\n' -%}"
+    "{%- else -%}{%- set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' -%}{%- endif -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- if message['role'] == 'assistant' -%}{%- set role = 'model' -%}{%- else -%}{%- set role = message['role'] -%}{%- endif -%}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{%- if message['content'] is string -%}{{ message['content'] | trim }}"
+    "{%- else -%}{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'image' -%}{{ '<start_of_image>' }}"
+    "{%- elif item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{{ '<end_of_turn>\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\n' }}{%- endif -%}"
+)
+
+
 def _omni_chat_template(image: str, video: str, audio: str) -> str:
     """A Qwen Omni chat template: ChatML turns with a default system prompt, and the given
     marker-wrapped placeholder per image, video or audio content part (recognised like the
@@ -593,6 +638,7 @@ class _TiledFamily:
         tile_px: the tower's input edge, and so a tile's (336 or 448 in the released models).
         patch_size: the tower's patch edge in pixels.
         eos_token, stop_tokens: as :class:`_Family`'s.
+        bos_token: the token a template opens with (``{{ bos_token }}``), if any.
     """
 
     architecture: str
@@ -604,6 +650,7 @@ class _TiledFamily:
     patch_size: int = 14
     eos_token: str = _CHATML_EOS
     stop_tokens: tuple[str, ...] = _CHATML_STOP_TOKENS
+    bos_token: str | None = None
 
 
 @dataclass(frozen=True)
@@ -663,6 +710,21 @@ class _Idefics3Family(_TiledFamily):
     @property
     def features_per_tile(self) -> int:
         return (self.tile_px // self.patch_size // self.scale_factor) ** 2
+
+
+@dataclass(frozen=True)
+class _Gemma3Family(_TiledFamily):
+    """Gemma 3: a SigLIP tower over the whole image resized to one tile (``tile_px`` a side; and
+    over pan-and-scan crops where a request asks for them), its patches average-pooled to
+    :attr:`features_per_tile` soft tokens, and a Gemma 3 LM alternating sliding-window and full attention. vLLM marks it an
+    "mm prefix LM": attention is bidirectional within each image."""
+
+    token_attributes: tuple[tuple[str, str], ...] = ()
+    pooled_side: int = 2  # soft tokens a side, after pooling
+
+    @property
+    def features_per_tile(self) -> int:
+        return self.pooled_side**2
 
 
 _Spec = _Family | _AudioFamily | _TiledFamily
@@ -734,6 +796,19 @@ _FAMILY_SPECS: dict[str, _Spec] = {
         added_tokens=_LLAVA_ADDED_TOKENS,
         chat_template=_LLAVA_CHAT_TEMPLATE,
         rope_theta=10_000.0,
+    ),
+    "gemma3": _Gemma3Family(
+        architecture="Gemma3ForConditionalGeneration",
+        processor_class="Gemma3Processor",
+        added_tokens=_GEMMA3_ADDED_TOKENS,
+        chat_template=_GEMMA3_CHAT_TEMPLATE,
+        rope_theta=1_000_000.0,
+        tile_px=64,  # 4 x 4 patches, pooled to 2 x 2 soft tokens
+        patch_size=16,
+        eos_token="<end_of_turn>",
+        stop_tokens=("<end_of_turn>", "<eos>"),
+        bos_token="<bos>",
+        token_attributes=_GEMMA3_TOKEN_ATTRIBUTES,
     ),
     "mistral3": _PixtralFamily(
         architecture="Mistral3ForConditionalGeneration",
@@ -878,9 +953,9 @@ _QWEN2_AUDIO_DISK_PREFIXES = (
     ("lm_head.", "language_model.lm_head."),
 )
 _AUDIO_TOWER_PREFIXES = ("audio_tower.", "multi_modal_projector.")
-# LLaVA's tower as llava-hf stores it: CLIP under ``vision_tower.vision_model.`` (transformers 5
-# drops the inner ``vision_model.`` and maps it back on loading; vLLM reads only the released
-# names), then the projector and the newline embedding at the top level.
+# LLaVA's and Gemma 3's towers as released: CLIP or SigLIP under ``vision_tower.vision_model.``
+# (transformers 5 drops the inner ``vision_model.`` and maps it back on loading; vLLM reads only
+# the released names), then the projector (and LLaVA's newline embedding) at the top level.
 _LLAVA_CLIP_PREFIX, _LLAVA_CLIP_DISK_PREFIX = "vision_tower.", "vision_tower.vision_model."
 # The modules of a LLaVA-style tower (LLaVA-NeXT, InternVL), wherever they sit in a name.
 _VISION_TOWER_MODULES = frozenset({"vision_tower", "multi_modal_projector", "image_newline"})
@@ -932,6 +1007,8 @@ def build_tiny_checkpoint(
         config = _build_internvl_config(spec, sizes, vocab_size=tokenizer.get_vocab_size(), token_ids=token_ids)
     elif isinstance(spec, _Idefics3Family):
         config = _build_idefics3_config(spec, sizes, vocab_size=tokenizer.get_vocab_size(), token_ids=token_ids)
+    elif isinstance(spec, _Gemma3Family):
+        config = _build_gemma3_config(spec, sizes, vocab_size=tokenizer.get_vocab_size(), token_ids=token_ids)
     elif isinstance(spec, _PixtralFamily):
         config = _build_mistral3_config(spec, sizes, vocab_size=tokenizer.get_vocab_size(), token_ids=token_ids)
     elif isinstance(spec, _OmniFamily):
@@ -957,6 +1034,8 @@ def build_tiny_checkpoint(
         _write_pixtral_processor_configs(out, spec)
     elif isinstance(spec, _Idefics3Family):
         _write_idefics3_processor_configs(out, spec)
+    elif isinstance(spec, _Gemma3Family):
+        _write_gemma3_processor_configs(out, spec)
     else:
         _write_processor_configs(out, spec, sizes)
     if isinstance(spec, _OmniFamily) and spec.speaker_file:
@@ -1116,7 +1195,7 @@ def _write_tokenizer_files(out: pathlib.Path, tokenizer: tokenizers.Tokenizer, s
     _write_text(out / "tokenizer.json", tokenizer.to_str(pretty=True) + "\n")
     config: dict[str, Any] = {
         "add_prefix_space": False,
-        "bos_token": None,
+        "bos_token": getattr(spec, "bos_token", None),
         "clean_up_tokenization_spaces": False,
         "eos_token": spec.eos_token,
         "errors": "replace",
@@ -1127,7 +1206,7 @@ def _write_tokenizer_files(out: pathlib.Path, tokenizer: tokenizers.Tokenizer, s
         "tokenizer_class": "Qwen2Tokenizer",
         "unk_token": None,
     }
-    if isinstance(spec, (_OmniFamily, _InternVLFamily)):
+    if isinstance(spec, (_OmniFamily, _InternVLFamily, _Gemma3Family)):
         # transformers 5 sets these as tokenizer attributes (tokenizer.image_token, ...).
         config["extra_special_tokens"] = dict(spec.token_attributes)
     _write_json(out / "tokenizer_config.json", config)
@@ -1321,6 +1400,47 @@ def _build_llava_next_config(spec: _LlavaNextFamily, sizes: _Scale, *, vocab_siz
         image_grid_pinpoints=spec.grid_pinpoints,
         vision_feature_layer=-2,
         vision_feature_select_strategy="default",
+        tie_word_embeddings=False,
+        architectures=[spec.architecture],
+        dtype="float32",
+    )
+
+
+def _build_gemma3_config(spec: _Gemma3Family, sizes: _Scale, *, vocab_size: int, token_ids: Mapping[str, int]) -> PreTrainedConfig:
+    """Builds the ``Gemma3Config``: the scale's tower sizes as a SigLIP tower over one tile, the
+    scale's LM as a Gemma 3 whose two layers take its two kinds of attention (a sliding window,
+    then full), and the image tokens."""
+    import transformers
+
+    text_config = _text_config(sizes, vocab_size) | {
+        "model_type": "gemma3_text",
+        "head_dim": sizes.head_dim,
+        "query_pre_attn_scalar": sizes.head_dim,
+        "sliding_window": 512,
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": spec.rope_theta},
+        },
+        "bos_token_id": token_ids["<bos>"],
+        "eos_token_id": token_ids["<eos>"],
+        "pad_token_id": token_ids["<|endoftext|>"],
+        "tie_word_embeddings": False,
+        "dtype": "float32",
+    }
+    vision_config = _tower_sizes(sizes) | {
+        "model_type": "siglip_vision_model",
+        "image_size": spec.tile_px,
+        "patch_size": spec.patch_size,
+        "vision_use_head": False,
+    }
+    return transformers.Gemma3Config(
+        text_config=text_config,
+        vision_config=vision_config,
+        mm_tokens_per_image=spec.features_per_tile,
+        boi_token_index=token_ids["<start_of_image>"],
+        eoi_token_index=token_ids["<end_of_image>"],
+        image_token_index=token_ids["<image_soft_token>"],
         tie_word_embeddings=False,
         architectures=[spec.architecture],
         dtype="float32",
@@ -1602,6 +1722,27 @@ def _write_internvl_processor_configs(out: pathlib.Path, spec: _InternVLFamily) 
     _write_json(out / "processor_config.json", {"processor_class": spec.processor_class, "image_seq_length": spec.features_per_tile})
 
 
+def _write_gemma3_processor_configs(out: pathlib.Path, spec: _Gemma3Family) -> None:
+    """Writes Gemma 3's image processor config (one tile, SigLIP's normalisation; pan and scan is
+    a per-call option, off unless a request's processor arguments turn it on) and the processor's
+    (soft tokens per image)."""
+    image = {
+        "image_processor_type": "Gemma3ImageProcessor",
+        "processor_class": spec.processor_class,
+        "do_convert_rgb": True,
+        "do_resize": True,
+        "size": {"height": spec.tile_px, "width": spec.tile_px},
+        "resample": 2,  # bilinear
+        "do_rescale": True,
+        "rescale_factor": 1 / 255,
+        "do_normalize": True,
+        "image_mean": [0.5, 0.5, 0.5],
+        "image_std": [0.5, 0.5, 0.5],
+    }
+    _write_json(out / "preprocessor_config.json", image)
+    _write_json(out / "processor_config.json", {"processor_class": spec.processor_class, "image_seq_length": spec.features_per_tile})
+
+
 def _write_idefics3_processor_configs(out: pathlib.Path, spec: _Idefics3Family) -> None:
     """Writes Idefics3's image processor config (split into tiles of the tower's edge, at most
     ``max_tiles`` a side, SigLIP's normalisation) and the processor's (features per tile)."""
@@ -1737,7 +1878,7 @@ def _on_disk(config: PreTrainedConfig, model: Any) -> tuple[dict[str, torch.Tens
         return shapes, _is_vision_tower_tensor
     if config.model_type == "idefics3":
         return shapes, _is_idefics3_tower_tensor
-    if config.model_type == "llava_next":
+    if config.model_type in ("llava_next", "gemma3"):
         clip = _LLAVA_CLIP_PREFIX
         return {_LLAVA_CLIP_DISK_PREFIX + name.removeprefix(clip) if name.startswith(clip) else name: t for name, t in shapes.items()}, _is_vision_tower_tensor
     return shapes, _is_tower_tensor

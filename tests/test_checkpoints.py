@@ -195,7 +195,7 @@ def test_unknown_family_is_rejected(tmp_path: pathlib.Path) -> None:
         build_tiny_checkpoint("llava", tmp_path)
     assert FAMILIES + AUDIO_FAMILIES == ("qwen2_5_vl", "qwen3_vl", "qwen2_audio")
     assert ALL_FAMILIES == FAMILIES + AUDIO_FAMILIES + OMNI_FAMILIES + NON_QWEN_FAMILIES
-    assert OMNI_FAMILIES == ("qwen2_5_omni", "qwen3_omni_moe") and NON_QWEN_FAMILIES == ("audioflamingo3", "llava_next", "glm4v", "internvl", "mistral3", "idefics3")
+    assert OMNI_FAMILIES == ("qwen2_5_omni", "qwen3_omni_moe") and NON_QWEN_FAMILIES == ("audioflamingo3", "llava_next", "glm4v", "internvl", "mistral3", "idefics3", "gemma3")
     assert set(MODALITIES) == set(ALL_FAMILIES)
 
 
@@ -409,6 +409,7 @@ TOWER_PREFIXES = {
     "internvl": ("model.vision_tower.", "model.multi_modal_projector."),
     "mistral3": ("vision_tower.", "multi_modal_projector."),
     "idefics3": ("model.vision_model.", "model.connector."),
+    "gemma3": ("vision_tower.vision_model.", "multi_modal_projector."),
 }
 LM_PREFIXES = {
     "qwen2_5_omni": ("thinker.model.", "thinker.lm_head."),
@@ -419,6 +420,7 @@ LM_PREFIXES = {
     "internvl": ("model.language_model.", "lm_head."),
     "mistral3": ("language_model.model.", "language_model.lm_head."),
     "idefics3": ("model.text_model.", "lm_head."),
+    "gemma3": ("language_model.model.", "language_model.lm_head."),
 }
 # What each family's chat template puts in place of an image, video or audio content part.
 PLACEHOLDERS = {
@@ -438,14 +440,16 @@ PLACEHOLDERS = {
     "internvl": {"image": "<IMG_CONTEXT>\n", "video": "<video>\n"},
     "mistral3": {"image": "[IMG]"},
     "idefics3": {"image": "<image>"},
+    "gemma3": {"image": "<start_of_image>"},
 }
 # How each family's template renders multimodal_messages ({} for its placeholders): ChatML with a
 # default system prompt, or the family's own turns.
 RENDERED_CHAT = {
     "glm4v": "[gMASK]<sop><|user|>\n{}Describe this.<|assistant|>\n",
     "idefics3": "<|begin_of_text|>User:{}Describe this.<end_of_utterance>\nAssistant:",
+    "gemma3": "<bos><start_of_turn>user\n{}Describe this.<end_of_turn>\n<start_of_turn>model\n",
 }
-EOS_TOKENS = {"glm4v": "<|endoftext|>", "idefics3": "<end_of_utterance>"}
+EOS_TOKENS = {"glm4v": "<|endoftext|>", "idefics3": "<end_of_utterance>", "gemma3": "<end_of_turn>"}
 CHATML = "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\n{}Describe this.<|im_end|>\n<|im_start|>assistant\n"
 TOWER_SHARD = "model-00001-of-00003.safetensors"
 
@@ -457,9 +461,9 @@ def multimodal_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str
 
 
 def released_name(name: str) -> str:
-    """The on-disk name of an Audio Flamingo 3 or LLaVA-NeXT parameter in transformers 5: stored
-    as released (``language_model.model.*``, no outer ``model.``; LLaVA's CLIP tower under
-    ``vision_tower.vision_model.``, which transformers 5 drops)."""
+    """The on-disk name of an Audio Flamingo 3, LLaVA-NeXT or Gemma 3 parameter in transformers 5:
+    stored as released (``language_model.model.*``, no outer ``model.``; LLaVA's CLIP and Gemma's
+    SigLIP tower under ``vision_tower.vision_model.``, which transformers 5 drops)."""
     for module_prefix, disk_prefix in (
         ("model.audio_tower.", "audio_tower."),
         ("model.vision_tower.", "vision_tower.vision_model."),
@@ -530,6 +534,15 @@ def hf_inputs(processor: Any, text: str, modality: str, seed: int) -> Any:
     return processor(text=[text], videos=[frames], video_metadata=[video_metadata], do_sample_frames=False, return_tensors="pt")
 
 
+# Gemma 3 attends bidirectionally within each image (transformers reads the image positions from
+# the processor's token_type_ids; vLLM calls it an "mm prefix LM"). vLLM's CPU attention backend
+# has no such mode and attends causally (it does not refuse the model), so vLLM on this host is
+# compared with transformers attending causally too: with token_type_ids, transformers' tokens
+# differ from the first one for some images. A GPU host's backends (FlashAttention, Triton, Flex)
+# take the bidirectional mask and are compared with token_type_ids kept.
+CAUSAL_IMAGE_ATTENTION_ON_CPU = frozenset({"gemma3"})
+
+
 def hf_greedy_multimodal(directory: pathlib.Path) -> dict[str, dict[str, list[int]]]:
     """Expanded prompt ids and NEW_TOKENS greedy tokens, from transformers, per request
     ``"<modality>-<seed>"``: one item of each of the family's modalities, seeds 0 and 1."""
@@ -552,6 +565,8 @@ def hf_greedy_multimodal(directory: pathlib.Path) -> dict[str, dict[str, list[in
             text = processor.apply_chat_template(multimodal_messages([modality]), tokenize=False, add_generation_prompt=True)
             for seed in (0, 1):
                 inputs = hf_inputs(processor, text, modality, seed)
+                if config.model_type in CAUSAL_IMAGE_ATTENTION_ON_CPU:
+                    inputs.pop("token_type_ids")
                 with torch.no_grad():
                     # No stop token, as vLLM's ignore_eos: all NEW_TOKENS are compared (GLM-4.1V's
                     # tiny model says "<|user|>", one of its stop tokens, within them).
@@ -634,6 +649,17 @@ def test_multimodal_transformers_loads_processes_and_generates(multimodal_checkp
         # Pixtral fits an image within the tower's edge, in whole patches merged 2 x 2.
         assert processor.image_processor.size == {"longest_edge": config.vision_config.image_size}
         assert processor.patch_size == config.vision_config.patch_size and processor.spatial_merge_size == config.spatial_merge_size == 2
+    elif family == "gemma3":
+        # The processor's "image token" is the one a prompt holds, each expanded to the soft tokens.
+        assert config.image_token_index == processor.tokenizer.image_token_id == token_id("<image_soft_token>")
+        assert config.boi_token_index == processor.image_token_id == token_id("<start_of_image>")
+        assert config.eoi_token_index == token_id("<end_of_image>")
+        assert type(processor.image_processor).__name__ == "Gemma3ImageProcessor"
+        # The tower's patches, average-pooled to the soft tokens the processor puts per image.
+        assert processor.image_seq_length == config.mm_tokens_per_image == 4
+        # vLLM's Gemma 3 processor merges newline runs into these single tokens.
+        assert all(newlines in tokenizer.get_vocab() for newlines in ("\n", "\n\n", "\n\n\n", "\n\n\n\n"))
+        assert text_config.layer_types == ["sliding_attention", "full_attention"]
     elif family == "idefics3":
         assert config.image_token_id == processor.image_token_id == token_id("<image>")
         assert (processor.fake_image_token, processor.global_image_tag) == ("<fake_token_around_image>", "<global-img>")
@@ -657,7 +683,7 @@ def test_multimodal_transformers_loads_processes_and_generates(multimodal_checkp
     # Every parameter is read from the checkpoint (none left at a fresh init). Qwen3-Omni's
     # experts are fused in memory; save_pretrained's own conversion splits them again.
     model = getattr(transformers, config.architectures[0]).from_pretrained(directory)
-    if family in ("audioflamingo3", "llava_next"):
+    if family in ("audioflamingo3", "llava_next", "gemma3"):
         state = {released_name(name): tensor for name, tensor in model.state_dict().items()}
     elif family == "internvl":
         state = model.state_dict()  # saved by transformers itself, as the "-hf" releases are

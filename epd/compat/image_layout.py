@@ -1,6 +1,6 @@
-"""What the declarations of models that lay an image out from one metadata field share
-(LLaVA-NeXT, Mistral 3, Idefics3): the parser that takes metadata-only images, and the field's
-configuration."""
+"""What the declarations of models that lay an image out from its size share (LLaVA-NeXT,
+Mistral 3, Idefics3, Gemma 3): the parser that takes metadata-only images with that one field, the
+field's configuration, and, where vLLM's processor does not output the size, its recording."""
 
 from __future__ import annotations
 
@@ -41,3 +41,29 @@ def install_image_metadata_parser(info_class: type, field: str, *, subclasses: b
         return ImageMetadataParser(expected_hidden_size=self._get_expected_hidden_size(), allow_missing_mm_embeddings=self.allow_missing_mm_embeddings)
 
     info_class.get_data_parser = get_data_parser
+
+
+def record_original_sizes(processor_class: type, field: str) -> None:
+    """Makes vLLM's processing with ``processor_class`` also output each image's original size
+    (height, width) as ``field``, one of the image's fields: for models whose layout vLLM derives
+    from that size, which its processor otherwise knows only while it holds the pixels."""
+    import torch
+    from vllm.multimodal.parse import ImageProcessorItems
+
+    vllm_postprocess = processor_class._postprocess_hf_mm_data
+    vllm_fields = processor_class._get_mm_fields_config
+
+    def _postprocess_hf_mm_data(self, mm_data, hf_processor_mm_kwargs, processed_data):
+        processed = vllm_postprocess(self, mm_data, hf_processor_mm_kwargs, processed_data)
+        if mm_data and mm_data.get("images") is not None:
+            images = self.info.parse_mm_data({"image": mm_data["images"]}, validate=False).get_items("image", ImageProcessorItems)
+            sizes = [images.get_image_size(index) for index in range(len(images))]
+            processed[field] = torch.tensor([[size.height, size.width] for size in sizes])
+        return processed
+
+    def _get_mm_fields_config(self, hf_inputs, hf_processor_mm_kwargs):
+        fields = dict(vllm_fields(self, hf_inputs, hf_processor_mm_kwargs))
+        return fields | metadata_field(field) if field in hf_inputs else fields
+
+    processor_class._postprocess_hf_mm_data = _postprocess_hf_mm_data
+    processor_class._get_mm_fields_config = _get_mm_fields_config

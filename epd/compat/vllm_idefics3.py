@@ -17,38 +17,22 @@ from __future__ import annotations
 
 import functools
 
-from epd.compat.image_layout import install_image_metadata_parser, metadata_field
+from epd.compat.image_layout import install_image_metadata_parser, record_original_sizes
 
 _SIZES = "image_sizes"
 
 
 @functools.cache
 def install() -> None:
-    import torch
     from vllm.model_executor.models import idefics3
-    from vllm.multimodal.parse import DictEmbeddingItems, ImageProcessorItems
+    from vllm.multimodal.parse import DictEmbeddingItems
     from vllm.multimodal.processing import PromptReplacement, PromptUpdateDetails, cached_encode
 
     # SmolVLM's processing info subclasses Idefics3's and lays images out alike.
     install_image_metadata_parser(idefics3.Idefics3ProcessingInfo, _SIZES, subclasses=True)
-
     processor_class = idefics3.Idefics3MultiModalProcessor
-    vllm_postprocess = processor_class._postprocess_hf_mm_data
-    vllm_fields = processor_class._get_mm_fields_config
+    record_original_sizes(processor_class, _SIZES)
     vllm_prompt_updates = processor_class._get_prompt_updates
-
-    def _postprocess_hf_mm_data(self, mm_data, hf_processor_mm_kwargs, processed_data):
-        """vLLM's processing, plus each image's original size as the image's own field."""
-        processed = vllm_postprocess(self, mm_data, hf_processor_mm_kwargs, processed_data)
-        if mm_data:
-            images = self.info.parse_mm_data({"image": mm_data.get("images", [])}, validate=False).get_items("image", ImageProcessorItems)
-            sizes = [images.get_image_size(index) for index in range(len(images))]
-            processed[_SIZES] = torch.tensor([[size.height, size.width] for size in sizes])
-        return processed
-
-    def _get_mm_fields_config(self, hf_inputs, hf_processor_mm_kwargs):
-        fields = dict(vllm_fields(self, hf_inputs, hf_processor_mm_kwargs))
-        return fields | metadata_field(_SIZES) if _SIZES in hf_inputs else fields
 
     def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs):
         """vLLM's replacement for images it processed; for metadata-only ones, vLLM's own text
@@ -65,6 +49,4 @@ def install() -> None:
 
         return [PromptReplacement(modality="image", target=[processor.image_token_id], replacement=replacement)]
 
-    processor_class._postprocess_hf_mm_data = _postprocess_hf_mm_data
-    processor_class._get_mm_fields_config = _get_mm_fields_config
     processor_class._get_prompt_updates = _get_prompt_updates
