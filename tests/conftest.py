@@ -150,9 +150,11 @@ def otlp_receiver():
 
 
 @pytest.fixture(scope="session")
-def llm_chat_oracle(tmp_path_factory) -> LlmChatOracle:
+def llm_chat_oracle(tmp_path_factory):
     """vLLM's own chat path (``LLM.chat``) as the oracle, one engine per family for the session."""
-    return LlmChatOracle(tmp_path_factory.mktemp("llm-chat"))
+    oracle = LlmChatOracle(tmp_path_factory.mktemp("llm-chat"))
+    yield oracle
+    oracle.close()
 
 
 @pytest.fixture(scope="session")

@@ -73,7 +73,16 @@ PARAMS = [(family, case) for family, cases in CASES.items() for case in cases]
 SHARDS_READ = {"idefics3": 2}
 
 
-@pytest.mark.parametrize("family", list(CASES))
+# The families whose layout vLLM declares itself and whose media path no other test taps: a
+# request through recording proxies shows prefill and decode get metadata only.
+VLLM_DECLARED_MEDIA = {
+    "qwen3_vl": lambda: [_image(90, 160, 90), _clip(91)],
+    "qwen2_audio": lambda: [_tone(1.0, 92), _tone(0.6, 93)],
+    "audioflamingo3": lambda: [_tone(1.0, 94)],
+}
+
+
+@pytest.mark.parametrize("family", sorted({*CASES, *VLLM_DECLARED_MEDIA, stack_key("qwen2_5_omni", BF16)}))
 def test_the_encoder_reads_only_the_tower_shard(family_stack, family):
     """vLLM's encoder-only engine skips every shard that holds language-model weights alone."""
     read = SHARDS_READ.get(family, 1)
@@ -120,6 +129,19 @@ async def test_omni_metadata_only_path_carries_no_media(family_stack, family):
     assert image.metadata.grid_thw.h > 0 and not image.HasField("forwarded_media")
     assert video.metadata.grid_thw.t > 0 and not video.HasField("forwarded_media")
     assert await wait_for_metric(family_stack.encoder.metrics_port, "epd_arena_leases", 0.0) == 0.0
+
+
+@pytest.mark.parametrize("family", list(VLLM_DECLARED_MEDIA))
+async def test_items_vllm_declares_reach_prefill_and_decode_as_metadata_only(family_stack, family):
+    media = VLLM_DECLARED_MEDIA[family]()
+    request = chat_request([*media, "What is it?"], max_tokens=16, min_tokens=MIN_TOKENS)
+    oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=180)
+    result, (prefill_body,), (decode_body,) = await generate_through_taps(family_stack, request, "epd")
+    assert result.token_ids == oracle.token_ids
+    assert all(data[:64] not in body for data, _ in media for body in (prefill_body, decode_body))
+    for items in (prefill_pb2.PrefillRequest.FromString(prefill_body).items, decode_pb2.DecodeRequest.FromString(decode_body).items):
+        assert len(items) == len(media)
+        assert not any(item.metadata.layout_needs_media or item.HasField("forwarded_media") for item in items)
 
 
 # Two images each family lays out differently (wide, then tall or square), and a video where the
