@@ -115,16 +115,21 @@ async def test_the_encoder_lays_out_every_qwen3_omni_modality_metadata_only(fami
     assert list(video.engine_fields["use_audio_in_video"].int_values) == [0]  # the thinker reads it from every video
 
 
-@pytest.mark.parametrize("family", [stack_key("qwen2_5_omni", BF16), "qwen3_omni_moe"])
-async def test_omni_metadata_only_path_carries_no_media(family_stack, family):
-    """Audio, image and video of an Omni thinker reach decode as metadata only."""
-    tone, png, clip = _tone(1.0, 15), _image(16), _clip(21)
-    request = chat_request([tone, png, clip, "All three?"], max_tokens=16, min_tokens=MIN_TOKENS)
+async def _items_past_the_encoder(family_stack, media: list, question: str) -> tuple[list, list]:
+    """E/P/D through recording proxies: the tokens equal monolithic's and no media bytes reach
+    prefill or decode. Returns the items prefill and decode were sent."""
+    request = chat_request([*media, question], max_tokens=16, min_tokens=MIN_TOKENS)
     oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=180)
     result, (prefill_body,), (decode_body,) = await generate_through_taps(family_stack, request, "epd")
     assert result.token_ids == oracle.token_ids
-    assert all(media[0][:64] not in body for media in (tone, png, clip) for body in (prefill_body, decode_body))
-    audio, image, video = decode_pb2.DecodeRequest.FromString(decode_body).items
+    assert all(data[:64] not in body for data, _ in media for body in (prefill_body, decode_body))
+    return list(prefill_pb2.PrefillRequest.FromString(prefill_body).items), list(decode_pb2.DecodeRequest.FromString(decode_body).items)
+
+
+@pytest.mark.parametrize("family", [stack_key("qwen2_5_omni", BF16), "qwen3_omni_moe"])
+async def test_omni_metadata_only_path_carries_no_media(family_stack, family):
+    """Audio, image and video of an Omni thinker reach decode as metadata only."""
+    _, (audio, image, video) = await _items_past_the_encoder(family_stack, [_tone(1.0, 15), _image(16), _clip(21)], "All three?")
     assert audio.metadata.audio_feature_length > 0 and not audio.HasField("forwarded_media")
     assert image.metadata.grid_thw.h > 0 and not image.HasField("forwarded_media")
     assert video.metadata.grid_thw.t > 0 and not video.HasField("forwarded_media")
@@ -134,12 +139,7 @@ async def test_omni_metadata_only_path_carries_no_media(family_stack, family):
 @pytest.mark.parametrize("family", list(VLLM_DECLARED_MEDIA))
 async def test_items_vllm_declares_reach_prefill_and_decode_as_metadata_only(family_stack, family):
     media = VLLM_DECLARED_MEDIA[family]()
-    request = chat_request([*media, "What is it?"], max_tokens=16, min_tokens=MIN_TOKENS)
-    oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=180)
-    result, (prefill_body,), (decode_body,) = await generate_through_taps(family_stack, request, "epd")
-    assert result.token_ids == oracle.token_ids
-    assert all(data[:64] not in body for data, _ in media for body in (prefill_body, decode_body))
-    for items in (prefill_pb2.PrefillRequest.FromString(prefill_body).items, decode_pb2.DecodeRequest.FromString(decode_body).items):
+    for items in await _items_past_the_encoder(family_stack, media, "What is it?"):
         assert len(items) == len(media)
         assert not any(item.metadata.layout_needs_media or item.HasField("forwarded_media") for item in items)
 
@@ -166,13 +166,7 @@ async def test_items_declared_by_epd_reach_prefill_and_decode_as_metadata_only(f
     original size; vllm_glm4v.py: the patch grid, and a video's sampling; vllm_internvl.py: the
     tile counts; vllm_mistral3.py: the processed size) the encoder publishes what lays each item
     out, and prefill and decode lay it out from that: neither sees a pixel."""
-    media = DECLARED_LAYOUT_MEDIA[family]()
-    request = chat_request([*media, "Which is wider?"], max_tokens=16, min_tokens=MIN_TOKENS)
-    oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=180)
-    result, (prefill_body,), (decode_body,) = await generate_through_taps(family_stack, request, "epd")
-    assert result.token_ids == oracle.token_ids
-    assert all(data[:64] not in body for data, _ in media for body in (decode_body, prefill_body))
-    for items in (prefill_pb2.PrefillRequest.FromString(prefill_body).items, decode_pb2.DecodeRequest.FromString(decode_body).items):
+    for items in await _items_past_the_encoder(family_stack, DECLARED_LAYOUT_MEDIA[family](), "Which is wider?"):
         if family == "llava_next":
             sizes = [list(item.metadata.engine_fields["image_sizes"].int_values) for item in items]
             assert sizes == [[70, 200], [180, 70]]  # (height, width), as the processor records them

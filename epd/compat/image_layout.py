@@ -1,9 +1,11 @@
 """What the declarations of models that lay an image out from its size share (LLaVA-NeXT,
 Mistral 3, Idefics3, Gemma 3): the parser that takes metadata-only images with that one field, the
-field's configuration, and, where vLLM's processor does not output the size, its recording."""
+field's configuration, where vLLM's processor does not output the size its recording, and the
+prompt update that lays a metadata-only image out from the size with vLLM's own counting."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from typing import Any
 
 
@@ -67,3 +69,29 @@ def record_original_sizes(processor_class: type, field: str) -> None:
 
     processor_class._postprocess_hf_mm_data = _postprocess_hf_mm_data
     processor_class._get_mm_fields_config = _get_mm_fields_config
+
+
+def install_size_replacement(processor_class: type, field: str, layout: Callable[[Any, Mapping[str, object]], tuple[list[int], Callable[[int, int], Any]]]) -> None:
+    """Keeps vLLM's prompt update of ``processor_class`` for images it processed; a metadata-only
+    image's ``field`` (height, width) is handed to the model's own layout instead of its pixels.
+
+    ``layout(processor, hf_processor_mm_kwargs)`` gives the target tokens and the replacement for
+    an image of a given (width, height), built by vLLM's own counting for the model.
+    """
+    from vllm.multimodal.parse import DictEmbeddingItems
+    from vllm.multimodal.processing import PromptReplacement
+
+    vllm_prompt_updates = processor_class._get_prompt_updates
+
+    def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs):
+        if not isinstance(mm_items.get("image"), DictEmbeddingItems):
+            return vllm_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs)
+        target, for_size = layout(self, hf_processor_mm_kwargs)
+
+        def replacement(index: int):
+            height, width = out_mm_kwargs["image"][index][field].data.tolist()
+            return for_size(width, height)
+
+        return [PromptReplacement(modality="image", target=target, replacement=replacement)]
+
+    processor_class._get_prompt_updates = _get_prompt_updates

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import functools
 
-from epd.compat.image_layout import install_image_metadata_parser, record_original_sizes
+from epd.compat.image_layout import install_image_metadata_parser, install_size_replacement, record_original_sizes
 
 _SIZES = "image_sizes"
 
@@ -26,26 +26,19 @@ _SIZES = "image_sizes"
 @functools.cache
 def install() -> None:
     from vllm.model_executor.models import gemma3_mm
-    from vllm.multimodal.parse import DictEmbeddingItems
-    from vllm.multimodal.processing import PromptReplacement
 
     install_image_metadata_parser(gemma3_mm.Gemma3ProcessingInfo, _SIZES, subclasses=False)
     processor_class = gemma3_mm.Gemma3MultiModalProcessor
     record_original_sizes(processor_class, _SIZES)
-    vllm_prompt_updates = processor_class._get_prompt_updates
 
-    def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs):
-        """vLLM's replacement for images it processed; for metadata-only ones, vLLM's own for an
-        image of the recorded size."""
-        if not isinstance(mm_items.get("image"), DictEmbeddingItems):
-            return vllm_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs)
+    def layout(self, hf_processor_mm_kwargs):
+        """vLLM's own replacement for an image of the size."""
         processor = self.info.get_hf_processor(**hf_processor_mm_kwargs)
         boi_token_id = self.info.get_tokenizer().get_vocab()[processor.boi_token]
 
-        def replacement(index: int):
-            height, width = out_mm_kwargs["image"][index][_SIZES].data.tolist()
+        def for_size(width: int, height: int):
             return self.info.get_image_repl(image_width=width, image_height=height, processor=processor, mm_kwargs=hf_processor_mm_kwargs)
 
-        return [PromptReplacement(modality="image", target=[boi_token_id], replacement=replacement)]
+        return [boi_token_id], for_size
 
-    processor_class._get_prompt_updates = _get_prompt_updates
+    install_size_replacement(processor_class, _SIZES, layout)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import functools
 
-from epd.compat.image_layout import install_image_metadata_parser
+from epd.compat.image_layout import install_image_metadata_parser, install_size_replacement
 
 _SIZES = "image_sizes"
 
@@ -27,26 +27,13 @@ _SIZES = "image_sizes"
 @functools.cache
 def install() -> None:
     from vllm.model_executor.models import llava_next
-    from vllm.multimodal.parse import DictEmbeddingItems
-    from vllm.multimodal.processing import PromptReplacement
 
     # The models built on LLaVA-NeXT's classes lay their items out otherwise.
     install_image_metadata_parser(llava_next.LlavaNextProcessingInfo, _SIZES, subclasses=False)
 
-    processor_class = llava_next.LlavaNextMultiModalProcessor
-    vllm_prompt_updates = processor_class._get_prompt_updates
-
-    def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs):
-        """vLLM's replacement for images it processed; for metadata-only ones, as many
-        placeholders as vLLM counts for their recorded size."""
-        if not isinstance(mm_items.get("image"), DictEmbeddingItems):
-            return vllm_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs)
+    def layout(self, hf_processor_mm_kwargs):
+        """As many placeholders as vLLM counts for the size."""
         token = self.info.get_hf_config().image_token_index
+        return [token], lambda width, height: [token] * self.info.get_num_image_tokens(image_width=width, image_height=height)
 
-        def replacement(index: int) -> list[int]:
-            height, width = out_mm_kwargs["image"][index][_SIZES].data.tolist()
-            return [token] * self.info.get_num_image_tokens(image_width=width, image_height=height)
-
-        return [PromptReplacement(modality="image", target=[token], replacement=replacement)]
-
-    processor_class._get_prompt_updates = _get_prompt_updates
+    install_size_replacement(llava_next.LlavaNextMultiModalProcessor, _SIZES, layout)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 
-from epd.compat.image_layout import install_image_metadata_parser, metadata_field
+from epd.compat.image_layout import install_image_metadata_parser, install_size_replacement, metadata_field
 
 _SIZES = "image_sizes"
 
@@ -28,39 +28,32 @@ _SIZES = "image_sizes"
 @functools.cache
 def install() -> None:
     from vllm.model_executor.models import mistral3
-    from vllm.multimodal.parse import DictEmbeddingItems
-    from vllm.multimodal.processing import PromptReplacement, PromptUpdateDetails
+    from vllm.multimodal.processing import PromptUpdateDetails
 
     install_image_metadata_parser(mistral3.Mistral3ProcessingInfo, _SIZES, subclasses=False)
-
     processor_class = mistral3.Mistral3MultiModalProcessor
     vllm_fields = processor_class._get_mm_fields_config
-    vllm_prompt_updates = processor_class._get_prompt_updates
 
     def _get_mm_fields_config(self, hf_inputs, hf_processor_mm_kwargs):
         """vLLM's fields, plus the processed size it otherwise drops once it has cropped."""
         fields = dict(vllm_fields(self, hf_inputs, hf_processor_mm_kwargs))
         return fields | metadata_field(_SIZES) if _SIZES in hf_inputs else fields
 
-    def _get_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs):
-        """vLLM's replacement for images it processed; for metadata-only ones, vLLM's tokens for
-        the grid of their processed size."""
-        if not isinstance(mm_items.get("image"), DictEmbeddingItems):
-            return vllm_prompt_updates(self, mm_items, hf_processor_mm_kwargs, out_mm_kwargs)
+    def layout(self, hf_processor_mm_kwargs):
+        """vLLM's tokens for the grid of the processed size."""
         processor = self.info.get_hf_processor(**hf_processor_mm_kwargs)
         vocab = self.info.get_tokenizer().get_vocab()
         image_token_id = self.info.get_hf_config().image_token_index
         break_id, end_id = vocab[processor.image_break_token], vocab[processor.image_end_token]
         encoder_info = self.info.get_vision_encoder_info(hf_processor_mm_kwargs)
 
-        def replacement(index: int):
-            height, width = out_mm_kwargs["image"][index][_SIZES].data.tolist()
+        def for_size(width: int, height: int):
             ncols, nrows = encoder_info.get_patch_grid_size(image_width=width, image_height=height)
             tokens = ([image_token_id] * ncols + [break_id]) * nrows
             tokens[-1] = end_id
             return PromptUpdateDetails.select_token_id(tokens, image_token_id)
 
-        return [PromptReplacement(modality="image", target=[image_token_id], replacement=replacement)]
+        return [image_token_id], for_size
 
     processor_class._get_mm_fields_config = _get_mm_fields_config
-    processor_class._get_prompt_updates = _get_prompt_updates
+    install_size_replacement(processor_class, _SIZES, layout)

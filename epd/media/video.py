@@ -59,8 +59,9 @@ class VideoLoading:
         defaults = {"video_backend": self.backend} if self.backend else {}
         return VideoMediaIO(ImageMediaIO(), **VideoMediaIO.merge_kwargs(defaults, runtime))
 
-    def frame_indices(self, total_frames: int, source_fps: float, requested: VideoSampling) -> list[int]:
-        """The frames vLLM's loader would sample from a file of ``total_frames`` at ``source_fps``."""
+    def sample(self, total_frames: int, source_fps: float, requested: VideoSampling) -> tuple[list[int], dict[str, Any]]:
+        """The frames vLLM's loader would sample from a file of ``total_frames`` at
+        ``source_fps``, and the metadata it would hand vLLM's processor beside them."""
         from vllm.multimodal.video_decoders import VideoSourceMetadata, VideoTargetMetadata
 
         media_io = self.media_io(requested)
@@ -74,7 +75,8 @@ class VideoLoading:
             max_duration=kwargs.pop("max_duration", defaults["max_duration"].default),
         )
         source = loader._prepare_source(VideoSourceMetadata(total_frames, source_fps, total_frames / source_fps))
-        return loader.compute_frames_index_to_sample(source=source, target=target, **kwargs)
+        indices = loader.compute_frames_index_to_sample(source=source, target=target, **kwargs)
+        return indices, loader.create_hf_metadata(source, indices, _FRAMES_BACKEND)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,21 +116,18 @@ def decode_video_frames(source: VideoFrames, sampling: VideoSampling, loading: V
     Raises:
         MediaError: an undecodable frame, frames of different sizes, or over a limit.
     """
-    from vllm.multimodal.video_decoders import VideoSourceMetadata
-
     field = "video.frames"
     total = len(source.frames)
     if total > limits.max_video_frames:
         raise MediaError(f"{field}.frames", f"holds {total} frames, over the limit of {limits.max_video_frames}")
     try:
-        indices = loading.frame_indices(total, source.fps, sampling)
+        indices, metadata = loading.sample(total, source.fps, sampling)
     except (ValueError, ZeroDivisionError) as exc:
         raise _loader_error(exc, sampling, field, "cannot be sampled") from exc
     _check_cap(len(indices), sampling)
     frames = [np.asarray(decode_image(source.frames[i].data, max_pixels=limits.max_image_pixels, field=f"{field}.frames[{i}].data")) for i in indices]
     if len({f.shape for f in frames}) > 1:
         raise MediaError(f"{field}.frames", f"must all have one size; got {sorted({f.shape[1::-1] for f in frames})}")
-    metadata = loading.media_io(sampling).video_loader.create_hf_metadata(VideoSourceMetadata(total, source.fps, total / source.fps), indices, _FRAMES_BACKEND)
     return DecodedVideo(np.stack(frames), metadata)
 
 
