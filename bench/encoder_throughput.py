@@ -6,7 +6,8 @@ encoder ran, on the same images.
   all sent at once (saturation); each call's arena leases are given back (``ReleaseEmbeddings``)
   as soon as it returns, as a consumer's READ would end them. Items per second count from the
   first send to the last response. The service decodes the JPEG, runs vLLM's processor and tower
-  (batched across concurrent calls by vLLM's scheduler) and publishes the rows in its arena. Each
+  (calls ready together joined into one engine request, ``services.encoder.batching``; vLLM's
+  scheduler batches across requests) and publishes the rows in its arena. Each
   repeat gives the images fresh content hashes, so vLLM's encoder cache cannot serve a repeat.
 - ``hf_tower``: what the encoder ran before the vLLM engine, in this process: the project's
   decoder on the same bytes, the checkpoint's HF image processor, then transformers'
@@ -287,7 +288,7 @@ def measure_encoder(
     from epd.telemetry import scrape
 
     modality = items[0].modality.value
-    counters = [f"{name}{{modality={modality}}}" for name in _COUNTERS]
+    counters = [f"{name}{{modality={modality}}}" for name in _COUNTERS] + list(_REQUEST_COUNTERS)
     asyncio.run(_send(address, items[:2], salt="warm-up"))
     passes = []
     for repeat in range(repeats):
@@ -295,12 +296,13 @@ def measure_encoder(
         seconds, shapes = asyncio.run(_send(address, items, salt=f"repeat-{repeat}-{concurrency}-{items_per_call}", concurrency=concurrency, items_per_call=items_per_call))
         after = scrape(metrics_port)
         passes.append((seconds, shapes, {key: after.get(key, 0.0) - before.get(key, 0.0) for key in counters}))
-    steps, batch_items, call_seconds, calls = (sum(delta[key] for _, _, delta in passes) for key in counters)
+    steps, batch_items, call_seconds, calls, joined_calls, requests = (sum(delta[key] for _, _, delta in passes) for key in counters)
     return {
         "items_per_s": summarize([len(items) / seconds for seconds, _, _ in passes]),
         "seconds": summarize([seconds for seconds, _, _ in passes]),
         "mean_batch_items": batch_items / steps if steps else float("nan"),
         "engine_steps": steps,
+        "calls_per_engine_request": joined_calls / requests if requests else float("nan"),
         "mean_encode_call_ms": 1000 * call_seconds / calls if calls else float("nan"),
         "arena_leases_at_end": _leases_after_drain(metrics_port),
         "shapes": passes[0][1],
@@ -308,6 +310,8 @@ def measure_encoder(
 
 
 _COUNTERS = ("epd_encoder_batches", "epd_encoder_batch_items", "epd_encoder_seconds_sum", "epd_encoder_seconds_count")
+# Encode calls joined per engine request (services.encoder.batching), over every modality.
+_REQUEST_COUNTERS = ("epd_encoder_request_calls_sum", "epd_encoder_request_calls_count")
 
 
 async def _send(
@@ -390,7 +394,8 @@ def report(doc: dict) -> list[str]:
         "| encoder | items/s median | seconds per pass median | how |",
         "| --- | --- | --- | --- |",
         f"| vllm_service | {fmt(service['items_per_s']['median'])} | {fmt(service['seconds']['median'], 3)} | one Encode call per image over gRPC, all at once, "
-        f"leases released; {fmt(service['mean_batch_items'], 1)} items per engine step, mean Encode call {fmt(service['mean_encode_call_ms'], 1)} ms |",
+        f"leases released; {fmt(service['mean_batch_items'], 1)} items per engine step, {fmt(service['calls_per_engine_request'], 1)} calls per engine request, "
+        f"mean Encode call {fmt(service['mean_encode_call_ms'], 1)} ms |",
         f"| hf_tower | {fmt(hf['items_per_s']['median'])} | {fmt(hf['seconds']['median'], 3)} | in-process decode + HF processor + get_image_features, "
         f"batches of {cfg['hf_batch_items']}, {hf['torch_threads']} torch threads; {stages} |",
     ]
@@ -400,7 +405,7 @@ def report(doc: dict) -> list[str]:
             lines.append(
                 f"| vllm_service, {modality} | {fmt(row['items_per_s']['median'])} | {fmt(row['seconds']['median'], 3)} | "
                 f"{'MP4 clips (the same encoder)' if modality == 'video' else 'WAV clips (a Qwen2-Audio encoder)'}, {CLIP_CONCURRENCY} Encode calls at a time, one clip each; "
-                f"{fmt(row['mean_batch_items'], 1)} items per engine step |"
+                f"{fmt(row['mean_batch_items'], 1)} items per engine step, {fmt(row['calls_per_engine_request'], 1)} calls per engine request |"
             )
     lines += [
         "",
@@ -411,7 +416,7 @@ def report(doc: dict) -> list[str]:
     if results.get("sweep"):
         per_call = sorted({cell["items_per_call"] for cell in results["sweep"]})
         lines += [
-            "The service's images/s by Encode calls in flight (rows) and images per call (columns), medians; items per engine step in brackets:",
+            "The service's images/s by Encode calls in flight (rows) and images per call (columns), medians; items per engine step and calls per engine request in brackets:",
             "",
             "| calls in flight | " + " | ".join(f"{k} per call" for k in per_call) + " |",
             "| --- | " + " | ".join("---" for _ in per_call) + " |",
@@ -420,7 +425,12 @@ def report(doc: dict) -> list[str]:
             cells = {cell["items_per_call"]: cell for cell in results["sweep"] if cell["concurrency"] == calls}
             lines.append(
                 f"| {calls} | "
-                + " | ".join(f"{fmt(cells[k]['items_per_s']['median'])} ({fmt(cells[k]['mean_batch_items'], 1)})" if k in cells else "" for k in per_call)
+                + " | ".join(
+                    f"{fmt(cells[k]['items_per_s']['median'])} ({fmt(cells[k]['mean_batch_items'], 1)}, {fmt(cells[k].get('calls_per_engine_request', float('nan')), 1)})"
+                    if k in cells
+                    else ""
+                    for k in per_call
+                )
                 + " |"
             )
         lines.append("")

@@ -69,6 +69,12 @@ class EngineCorePlacement(enum.Enum):
         return self.value
 
 
+# How many Encode calls' worth of items one encoder engine request may carry: 8 images a call
+# by default, 32 a request, where this host's tower reaches the in-process pipeline's items per
+# step (BENCHMARKS.md, encoder_throughput).
+ENCODER_CALLS_PER_REQUEST = 4
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Everything that shapes a vLLM engine here. One place; the CLI derives its flags from it."""
@@ -109,8 +115,17 @@ class EngineConfig:
 
     @property
     def mm_per_prompt(self) -> dict[str, int]:
-        """The most items of each modality one prompt may hold (vLLM's limit_mm_per_prompt)."""
+        """The most items of each modality one request's prompt may hold."""
         return {"image": self.max_images_per_prompt, "video": self.max_videos_per_prompt, "audio": self.max_audios_per_prompt}
+
+    @property
+    def engine_mm_per_prompt(self) -> dict[str, int]:
+        """vLLM's limit_mm_per_prompt. An encoder's engine requests carry the items of up to
+        ``ENCODER_CALLS_PER_REQUEST`` calls (services.encoder.batching), each call within
+        :attr:`mm_per_prompt`, which the encoder checks itself. vLLM sizes its encoder budget
+        by one item's most tokens, not by this limit."""
+        calls = ENCODER_CALLS_PER_REQUEST if self.role is EngineRole.ENCODER else 1
+        return {modality: limit * calls for modality, limit in self.mm_per_prompt.items()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -201,7 +216,7 @@ class Engine:
             max_num_seqs=config.max_num_seqs,
             enforce_eager=True,
             seed=config.seed,
-            limit_mm_per_prompt=config.mm_per_prompt,
+            limit_mm_per_prompt=config.engine_mm_per_prompt,
             # Decode gets metadata-only items; prefill and combined also accept them (vLLM turns
             # this on for EC and KV consumers by itself).
             enable_mm_embeds=config.role is not EngineRole.ENCODER,

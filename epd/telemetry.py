@@ -53,6 +53,11 @@ ENCODER_ITEMS = Counter("epd_encoder_items_total", "Media items encoded, by moda
 ENCODER_SECONDS = Histogram(
     "epd_encoder_seconds", "Encode call time (decode, vLLM processor and tower), per item, by modality", ["modality"], buckets=_LATENCY_BUCKETS
 )
+ENCODER_REQUEST_CALLS = Histogram(
+    "epd_encoder_request_calls",
+    "Encode calls per encoder engine request (concurrent calls share one; services.encoder.batching)",
+    buckets=(1, 2, 4, 8, 16, 32),
+)
 # Read at scrape time from the EC connector's shared buffer (the engine process keeps them).
 ARENA_LEASES = Gauge("epd_arena_leases", "Live embedding leases in the encoder's arena")
 ARENA_FREE_SLOTS = Gauge("epd_arena_free_slots", "Arena slots not held by a lease")

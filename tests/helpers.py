@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import pathlib
+import time
+import uuid
 
 import grpc
+import torch
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
-from epd.domain import MediaFile, MediaInput, Modality
+from epd.domain import MediaFile, MediaInput, Modality, NixlLocation
 from epd.server import CLIENT_OPTIONS
 from epd.telemetry import scrape
 from epd.v1 import gateway_pb2_grpc
@@ -138,3 +141,26 @@ async def assert_matches_monolithic(family_stack, parts: list, mode: str, *, max
     assert result.finished.usage.multimodal_tokens == oracle.finished.usage.multimodal_tokens > 0
     return result
 
+
+
+def read_published_rows(location: NixlLocation, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
+    """An encoder's published rows, READ from its arena as a consumer engine would."""
+    from epd.transport.memory.arena import SharedCounters
+    from epd.transport.memory.shared_buffer import SharedBuffer
+    from epd.transport.memory.slot_header import HEADER_BYTES
+    from epd.transport.wire.nixl import NixlReader, Read
+
+    buffer = SharedBuffer.create(f"test-rows-{uuid.uuid4().hex[:8]}", SharedCounters.BYTES + location.nbytes + 4096)
+    reader = NixlReader(buffer.tensor, agent_name=f"test-rows-{uuid.uuid4().hex[:6]}")
+    try:
+        reader.submit([Read("item", location, SharedCounters.BYTES)])
+        deadline = time.monotonic() + 20
+        finished = []
+        while not finished and time.monotonic() < deadline:
+            finished = reader.poll()
+        assert finished == [("item", None)], finished
+        start = SharedCounters.BYTES + HEADER_BYTES
+        return buffer.tensor[start : start + rows * width * dtype.itemsize].view(dtype).view(rows, width).clone()
+    finally:
+        reader.close()
+        buffer.close()

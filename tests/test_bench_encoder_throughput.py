@@ -44,7 +44,7 @@ def test_smoke_run_writes_the_schema(family_stack, tmp_path: pathlib.Path) -> No
     assert len(config["embedding_rows"]) == 4 and all(rows > 0 for rows in config["embedding_rows"]) and config["embedding_width"] > 0
 
     service, hf = doc["results"]["vllm_service"], doc["results"]["hf_tower"]
-    assert set(service) == {"items_per_s", "seconds", "mean_batch_items", "engine_steps", "mean_encode_call_ms", "arena_leases_at_end"}
+    assert set(service) == {"items_per_s", "seconds", "mean_batch_items", "engine_steps", "calls_per_engine_request", "mean_encode_call_ms", "arena_leases_at_end"}
     assert set(hf) == {"items_per_s", "seconds", "stage_seconds_median", "torch_threads"}
     for result in (service, hf):
         assert set(result["items_per_s"]) == SUMMARY and result["items_per_s"]["count"] == 1 and positive(result["items_per_s"]["median"])
@@ -59,6 +59,9 @@ def test_smoke_run_writes_the_schema(family_stack, tmp_path: pathlib.Path) -> No
     cells = {(cell["concurrency"], cell["items_per_call"]): cell for cell in doc["results"]["sweep"]}
     assert set(cells) == {(1, 1), (1, 4), (2, 1), (2, 4)}
     assert cells[(1, 1)]["mean_batch_items"] == 1 < cells[(1, 4)]["mean_batch_items"]
+    # A call alone in flight never waits to join another.
+    assert cells[(1, 1)]["calls_per_engine_request"] == cells[(1, 4)]["calls_per_engine_request"] == 1
+    assert 1 <= service["calls_per_engine_request"] <= 4
     assert all(positive(cell["items_per_s"]["median"]) and cell["arena_leases_at_end"] == 0 for cell in cells.values())
     video = doc["results"]["video"]
     assert positive(video["items_per_s"]["median"]) and video["arena_leases_at_end"] == 0 and video["engine_steps"] >= 1

@@ -10,9 +10,6 @@ view: Hugging Face's tower, given the same image and weights in bf16, rounds dif
 
 from __future__ import annotations
 
-import time
-import uuid
-
 import grpc
 import pytest
 import torch
@@ -20,14 +17,9 @@ import torch
 from devkit.media import sine_wav, synthetic_image_png, synthetic_video
 from epd import wire
 from epd.client import chat_request
-from epd.domain import NixlLocation
-from epd.transport.memory.arena import SharedCounters
-from epd.transport.memory.shared_buffer import SharedBuffer
-from epd.transport.memory.slot_header import HEADER_BYTES
-from epd.transport.wire.nixl import NixlReader, Read
 from epd.v1 import encoder_pb2_grpc
 from tests.conftest import BF16, stack_key
-from tests.helpers import assert_matches_monolithic
+from tests.helpers import assert_matches_monolithic, read_published_rows
 
 OMNI = stack_key("qwen2_5_omni", BF16)
 PNG = synthetic_image_png(140, 112, seed=91)
@@ -81,24 +73,6 @@ def _hf_tower_embedding(model: str) -> torch.Tensor:
     return embedding
 
 
-def _read_over_nixl(location: NixlLocation, rows: int, width: int) -> torch.Tensor:
-    """The encoder's published rows, READ from its arena as a consumer engine would."""
-    buffer = SharedBuffer.create(f"test-bf16-{uuid.uuid4().hex[:8]}", SharedCounters.BYTES + location.nbytes + 4096)
-    reader = NixlReader(buffer.tensor, agent_name=f"test-bf16-{uuid.uuid4().hex[:6]}")
-    try:
-        reader.submit([Read("item", location, SharedCounters.BYTES)])
-        deadline = time.monotonic() + 20
-        finished = []
-        while not finished and time.monotonic() < deadline:
-            finished = reader.poll()
-        assert finished == [("item", None)], finished
-        start = SharedCounters.BYTES + HEADER_BYTES
-        return buffer.tensor[start : start + rows * width * 2].view(torch.bfloat16).view(rows, width).clone()
-    finally:
-        reader.close()
-        buffer.close()
-
-
 @pytest.mark.parametrize("family", [OMNI])
 async def test_hf_tower_bf16_embedding_is_not_vllms(family_stack, family):
     """Why the encoder runs vLLM's tower: Hugging Face's, on the same image and weights in bf16,
@@ -110,7 +84,7 @@ async def test_hf_tower_bf16_embedding_is_not_vllms(family_stack, family):
         encoded = await encoder_pb2_grpc.EncoderServiceStub(channel).Encode(wire.encode_request_to_wire("", [chat.media[0]], ""), timeout=60)
     (item,) = encoded.items
     rows, width = item.metadata.embedding_shape
-    vllm_rows = _read_over_nixl(wire.embedding_location_from_wire(item.embedding), rows, width)
+    vllm_rows = read_published_rows(wire.embedding_location_from_wire(item.embedding), rows, width, torch.bfloat16)
     hf_rows = _hf_tower_embedding(family_stack.model)
 
     # The same computation, rounded differently: close, but not the same bits.

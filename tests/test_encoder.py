@@ -12,12 +12,14 @@ import time
 
 import grpc
 import pytest
+import torch
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
 from devkit.media import synthetic_image_png, synthetic_video
+from epd import wire
 from epd.v1 import encoder_pb2, encoder_pb2_grpc, multimodal_pb2
-from tests.helpers import violations, wait_for_metric
+from tests.helpers import read_published_rows, violations, wait_for_metric
 
 SLOTS = 4
 SLOT_BYTES = 16384  # a 112x112 image is 16 rows x 128 floats = 8 KiB plus a 64-byte header
@@ -147,3 +149,94 @@ def test_the_towers_per_grid_caches_are_bounded_by_bytes_not_grids():
         assert (1, 99, 99) in cache and (1, 0, 0) not in cache  # least recently used first out
         cache[(1, 500, 500)] = torch.zeros(BUDGET_BYTES // 4 + 1)
         assert (1, 500, 500) not in cache and (1, 99, 99) in cache
+
+
+def _pending(index: int, image_hashes: list[str], video_hashes: tuple[str, ...] = ()):
+    from epd.domain import MediaFile, MediaInput, Modality
+    from services.encoder.batching import PendingCall
+
+    # Equal bytes, equal content hash.
+    items = [MediaInput(Modality.IMAGE, MediaFile(h.encode(), "image/png")) for h in image_hashes]
+    items += [MediaInput(Modality.VIDEO, MediaFile(h.encode(), "video/mp4")) for h in video_hashes]
+    return PendingCall(f"r{index}", items, [None] * len(items), [f"items[{i}]" for i in range(len(items))], asyncio.Future(loop=asyncio.new_event_loop()))
+
+
+def test_call_queue_joins_calls_in_order_within_the_prompt_limits():
+    """services.encoder.batching.CallQueue, the rules alone: arrival order with no call
+    overtaken, the per-prompt limit of each modality, no content hash in two calls of a batch,
+    and the context as the largest item seen so far predicts it."""
+    from services.encoder.batching import CallQueue
+
+    queue = CallQueue({"image": 4, "video": 1}, max_prompt_tokens=1000)
+    calls = [
+        _pending(0, ["a", "b"]),
+        _pending(1, ["c"]),
+        _pending(2, ["d", "e"]),  # 5 images with the two before: the next batch
+        _pending(3, ["f"]),  # fits beside the two before it, yet waits behind call 2
+        _pending(4, ["g"], ("v",)),
+        _pending(5, [], ("w",)),  # a second video
+        _pending(6, ["x", "x"]),  # a repeat inside one call is that call's own
+        _pending(7, ["x"]),  # the same content in another call: its own request
+    ]
+    for call in calls:
+        queue.put(call)
+    assert queue.withdraw(calls[3]) and not queue.withdraw(calls[3])
+    batches = []
+    while queue:
+        batches.append([call.request_id for call in queue.take_batch()])
+    assert batches == [["r0", "r1"], ["r2", "r4"], ["r5", "r6"], ["r7"]]
+
+    # 300 tokens per image seen so far: three images fill the 1000-token context.
+    queue.learn([("image", 300, 75), ("image", 120, 30)])
+    for index in range(5):
+        queue.put(_pending(10 + index, [f"i{index}"]))
+    assert [call.request_id for call in queue.take_batch()] == ["r10", "r11", "r12"]
+    assert [call.request_id for call in queue.take_batch()] == ["r13", "r14"]
+    # A call alone is never held back by the prediction: the engine judges it.
+    queue.put(_pending(20, ["j", "k", "l", "m"]))
+    assert [call.request_id for call in queue.take_batch()] == ["r20"]
+
+
+async def test_more_items_than_one_prompt_takes_are_refused_naming_the_limit(family_stack):
+    """The encoder's engine takes several calls' items in one request, so a call's own limit
+    (--max-images-per-prompt, 8 by default) is the encoder's to check."""
+    item = _encode_request(7).items[0]
+    async with grpc.aio.insecure_channel(family_stack.encoder.address) as channel:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await encoder_pb2_grpc.EncoderServiceStub(channel).Encode(encoder_pb2.EncodeRequest(items=[item] * 9), timeout=60)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and violations(info.value) == ["items"], info.value.details()
+    assert "9 image items; one prompt takes at most 8 (--max-images-per-prompt)" in info.value.details()
+
+
+async def test_calls_that_arrive_together_share_engine_requests(family_stack):
+    """Encode calls that are ready while the engine is busy join one engine request: twelve at
+    once take fewer than twelve, and each item gets the layout and the rows it gets alone
+    (another call of the same pixels with other bytes, so that no cache answers it)."""
+    from bench.workload import salt_media
+    from devkit.media import synthetic_image
+    from epd.telemetry import scrape
+
+    images = [synthetic_image(112 + 28 * (seed % 3), 112, seed=seed, image_format="JPEG") for seed in range(12)]
+
+    def request(index: int, salt: str) -> encoder_pb2.EncodeRequest:
+        media = multimodal_pb2.Media(data=salt_media(images[index], "image/jpeg", salt), mime_type="image/jpeg")
+        return encoder_pb2.EncodeRequest(request_id=f"{salt}-{index}", items=[multimodal_pb2.MediaItem(image=media)])
+
+    async with grpc.aio.insecure_channel(family_stack.encoder.address) as channel:
+        stub = encoder_pb2_grpc.EncoderServiceStub(channel)
+        before = scrape(family_stack.encoder.metrics_port)
+        together = await asyncio.gather(*(stub.Encode(request(index, "together"), timeout=60) for index in range(12)))
+        after = scrape(family_stack.encoder.metrics_port)
+        calls = after["epd_encoder_request_calls_sum"] - before.get("epd_encoder_request_calls_sum", 0.0)
+        requests = after["epd_encoder_request_calls_count"] - before.get("epd_encoder_request_calls_count", 0.0)
+        assert calls == 12 and requests < 12, (calls, requests)
+        for index, joined in enumerate(together):
+            alone = await stub.Encode(request(index, "alone"), timeout=60)
+            (item,), (reference,) = joined.items, alone.items
+            assert item.metadata.content_hash != reference.metadata.content_hash
+            reference.metadata.content_hash = item.metadata.content_hash
+            assert item.metadata == reference.metadata
+            rows, width = item.metadata.embedding_shape
+            assert torch.equal(*(read_published_rows(wire.embedding_location_from_wire(i.embedding), rows, width, torch.float32) for i in (item, reference))), index
+            await stub.ReleaseEmbeddings(encoder_pb2.ReleaseEmbeddingsRequest(lease_ids=[item.embedding.nixl.lease_id, reference.embedding.nixl.lease_id]))
+

@@ -4,6 +4,7 @@ No other stage ever sees media bytes."""
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 from epd.domain import MediaFile, MediaInput, Modality, VideoFrames
@@ -68,6 +69,20 @@ def check_sizes_and_types(items: list[MediaInput], limits: MediaLimits) -> list[
     if total > limits.max_request_bytes:
         problems.append((-1, MediaError("", f"media total {total} bytes, over the per-request limit of {limits.max_request_bytes}")))
     return problems
+
+
+def check_items_per_prompt(items: list[MediaInput], limits: dict[str, int]) -> None:
+    """Raises InvalidArgument on ``items`` when a modality has more items than one prompt takes."""
+    from epd.errors import FieldViolation, InvalidArgument
+
+    counts = collections.Counter(item.modality.value for item in items)
+    violations = [
+        FieldViolation("items", f"{count} {modality} items; one prompt takes at most {limits.get(modality, 0)} (--max-{modality}s-per-prompt)")
+        for modality, count in sorted(counts.items())
+        if count > limits.get(modality, 0)
+    ]
+    if violations:
+        raise InvalidArgument("; ".join(f"{v.field}: {v.description}" for v in violations), violations)
 
 
 def check_modalities(items: list[MediaInput], paths: list[str], accepted: frozenset[Modality]) -> None:

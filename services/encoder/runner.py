@@ -4,7 +4,8 @@ metadata and embedding locations.
 
 vLLM owns everything model-specific here: its processor lays each item out and its tower encodes
 it; its scheduler batches items across concurrent requests; the EC connector publishes each
-output in the arena (``epd.transport.connector.ec_connector``). A request whose every item the arena holds
+output in the arena (``epd.transport.connector.ec_connector``). Calls that are ready while the
+engine is busy share one engine request (``services.encoder.batching``). A request whose every item the arena holds
 is served by the connector's cache desk instead (``epd.transport.desk``), with what vLLM
 published of each item when its tower ran: no decode, no processor, no engine step.
 """
@@ -23,11 +24,12 @@ from epd import telemetry
 from epd.domain import EncodedItem, MediaInput, NixlLocation, PublishedItem, Sampling
 from epd.engine import Engine
 from epd.errors import FailedPrecondition, FieldViolation, Internal, InvalidArgument, ResourceExhausted
-from epd.media import MediaLimits, check_modalities, source_field
+from epd.media import MediaLimits, check_items_per_prompt, check_modalities, source_field
 from epd.media.decode import MediaDecoder, vllm_input
 from epd.mm_items import metadata_from_published
 from epd.prompt import PromptRenderer
 from epd.transport import HEADER_BYTES, ClaimLedger, published_from_params
+from services.encoder.batching import CallQueue, PendingCall
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +45,9 @@ class EncoderConfig:
     # The host consumers dial for this encoder's NIXL metadata (written into every location): a
     # name its TLS certificate covers, say a StatefulSet pod's DNS name. Empty: the bind host.
     advertise_host: str = ""
+    # Engine requests in vLLM at once (services.encoder.batching): two keep the tower busy while
+    # vLLM's single processing thread prepares the next; calls ready meanwhile join one request.
+    batches_in_flight: int = 2
 
 
 class EncoderRunner:
@@ -59,6 +64,8 @@ class EncoderRunner:
         self._desk = engine.desk if engine.encoder_output_cache_bytes > 0 else None
         self._cleanups: set[asyncio.Task] = set()  # releases of leases whose caller is gone
         self._keys = ClaimLedger()  # callers' release keys -> the leases granted to their calls
+        self._queue = CallQueue(engine.config.engine_mm_per_prompt, engine.config.max_model_len)
+        self._batches: dict[asyncio.Task, list[PendingCall]] = {}  # engine requests running -> their calls
 
     async def encode(self, request_id: str, items: list[MediaInput], release_key: str = "") -> list[EncodedItem]:
         """Encodes one request's items, in order. All are decoded before any reaches the engine,
@@ -67,15 +74,13 @@ class EncoderRunner:
         even when this reply never reaches it."""
         paths = [f"items[{i}]" for i in range(len(items))]
         check_modalities(items, paths, self.engine.modalities)
+        check_items_per_prompt(items, self.engine.config.mm_per_prompt)
         started = time.perf_counter()
         published = await self._held(items)
         if published is None:
             # Off the event loop: a video decode takes long enough to stall other calls.
             decoded = await asyncio.to_thread(self.decoder.decode_all, items, paths)
-            rendered = await self._render(items, decoded, paths)
-            self._check_fits(rendered, paths)
-            # Unique per call: the engine core's desk finds the request by it when this call gives up.
-            published = published_from_params(await self._run(f"{request_id}-encode-{secrets.token_hex(4)}", rendered))
+            published = await self._published(PendingCall(request_id, items, decoded, paths, asyncio.get_running_loop().create_future()))
         encoded = []
         for path, item in zip(paths, items, strict=True):
             entry = published.get(item.content_hash)
@@ -134,14 +139,8 @@ class EncoderRunner:
 
     async def _held(self, items: list[MediaInput]) -> dict[str, PublishedItem] | None:
         """The items' outputs as the cache desk leased them, when the arena holds every one;
-        else None. Only requests the engine itself would take: vLLM's processor, which a held
-        item skips, refuses more items per prompt than the model's limits."""
+        else None."""
         if self._desk is None:
-            return None
-        counts: dict[str, int] = defaultdict(int)
-        for item in items:
-            counts[item.modality.value] += 1
-        if any(count > self.engine.config.mm_per_prompt.get(modality, 0) for modality, count in counts.items()):
             return None
         lookup = asyncio.ensure_future(asyncio.to_thread(self._desk.lease, [item.content_hash for item in items]))
         try:
@@ -162,6 +161,105 @@ class EncoderRunner:
         task = asyncio.get_running_loop().create_task(cleanup)
         self._cleanups.add(task)
         task.add_done_callback(self._cleanups.discard)
+
+    async def _published(self, call: PendingCall) -> dict[str, PublishedItem]:
+        """What the engine published for the call's items, from the engine request it joined.
+
+        A caller that gives up (cancelled, or the queue timeout passed) leaves its call: taken
+        out if it is still waiting; else what is published for it is released when its request
+        ends, and a request no waiting call is left in is aborted.
+        """
+        self._queue.put(call)
+        self._start_batches()
+        try:
+            async with asyncio.timeout(self.config.queue_timeout_s):
+                return await asyncio.shield(call.published)
+        except (asyncio.CancelledError, TimeoutError) as exc:
+            self._leave(call)
+            if isinstance(exc, TimeoutError):
+                raise ResourceExhausted(
+                    f"the encoder could not take the request within {self.config.queue_timeout_s:g} s (embedding arena or encoder queue full)",
+                    retry_after_s=1.0,
+                ) from exc
+            raise
+
+    def _start_batches(self) -> None:
+        while self._queue and len(self._batches) < self.config.batches_in_flight:
+            batch = self._queue.take_batch()
+            task = asyncio.get_running_loop().create_task(self._encode_batch(batch))
+            self._batches[task] = batch
+            task.add_done_callback(self._batch_ended)
+
+    def _batch_ended(self, task: asyncio.Task) -> None:
+        self._batches.pop(task)
+        self._start_batches()
+
+    def _leave(self, call: PendingCall) -> None:
+        if self._queue.withdraw(call):
+            return
+        call.abandoned = True
+        if call.published.done():
+            self._release_abandoned(call)
+            return
+        for task, batch in self._batches.items():
+            if call in batch and all(other.abandoned for other in batch):
+                task.cancel()  # _run aborts the engine request
+
+    def _release_abandoned(self, call: PendingCall) -> None:
+        if call.published.cancelled() or call.published.exception() is not None:
+            return
+        locations = [entry.location for item in call.items if (entry := call.published.result().get(item.content_hash)) is not None]
+        self._clean_up(self._end(sorted({location.lease_id for location in locations if isinstance(location, NixlLocation)})))
+
+    async def _encode_batch(self, calls: list[PendingCall]) -> None:
+        """One engine request for the calls; each call's future gets what was published, or the
+        error that ended the request. Calls that cannot go together go alone, each with its own
+        request and its own errors: the batch's prompt refused by the processor, longer than the
+        engine's context, or more than the arena holds."""
+        try:
+            rendered = await self._render_together(calls) if len(calls) > 1 else await self._render_alone(calls[0])
+            if rendered is None:
+                await asyncio.gather(*(self._encode_batch([call]) for call in calls))
+                return
+            telemetry.ENCODER_REQUEST_CALLS.observe(len(calls))
+            suffix = f"+{len(calls) - 1}" if len(calls) > 1 else ""
+            # Unique per request: the engine core's desk finds the request by it when its callers give up.
+            params = await self._run(f"{calls[0].request_id}{suffix}-encode-{secrets.token_hex(4)}", rendered)
+            published = published_from_params(params)
+        except asyncio.CancelledError:  # every caller is gone
+            for call in calls:
+                call.published.cancel()
+            raise
+        except Exception as exc:
+            for call in calls:
+                if not call.published.done():
+                    call.published.set_exception(exc)
+                    call.published.exception()  # retrieved: a caller that left does not read it
+            return
+        for call in calls:
+            call.published.set_result(published)
+            if call.abandoned:
+                self._release_abandoned(call)
+
+    async def _render_together(self, calls: list[PendingCall]):
+        items = [item for call in calls for item in call.items]
+        try:
+            rendered = await self.engine.render(self._prompt(items, [value for call in calls for value in call.decoded]), "items")
+        except InvalidArgument:
+            return None
+        self._queue.learn(rendered.placeholders)
+        paths = [f"items[{i}]" for i in range(len(items))]
+        if len(rendered.engine_input["prompt_token_ids"]) > self.engine.config.max_model_len or self._arena_violations(rendered, paths):
+            return None
+        return rendered
+
+    async def _render_alone(self, call: PendingCall):
+        rendered = await self._render(call.items, call.decoded, call.paths)
+        self._queue.learn(rendered.placeholders)
+        violations = self._arena_violations(rendered, call.paths)
+        if violations:
+            raise InvalidArgument("; ".join(f"{v.field}: {v.description}" for v in violations), violations)
+        return rendered
 
     def _prompt(self, items: list[MediaInput], decoded: list) -> dict:
         data: dict[str, list] = defaultdict(list)
@@ -185,8 +283,8 @@ class EncoderRunner:
                     raise alone from whole
             raise
 
-    def _check_fits(self, rendered, paths: list[str]) -> None:
-        """Refuses items the arena can never hold (it would otherwise keep them waiting).
+    def _arena_violations(self, rendered, paths: list[str]) -> list[FieldViolation]:
+        """The items the arena can never hold (it would otherwise keep them waiting).
 
         Sizes come from the engine: its rows per item (the processor's layout) and its
         measured output width per modality, published by the EC connector.
@@ -205,30 +303,22 @@ class EncoderRunner:
         ]
         if not violations and sum(n for _, n in needed) > capacity:
             violations.append(FieldViolation("items", f"their embeddings need {sum(n for _, n in needed)} bytes together; this encoder's arena holds {capacity}"))
-        if violations:
-            raise InvalidArgument("; ".join(f"{v.field}: {v.description}" for v in violations), violations)
+        return violations
 
     async def _run(self, request_id: str, rendered) -> dict:
         """One encoder-only engine request; its final output carries what was published.
 
-        Giving up on it (the caller cancelled, or the queue timeout passed) aborts it in the
-        engine, but it may have finished already, or finish before the abort arrives: its output
-        then goes nowhere, and the producer is told to end the leases it published.
+        Cancelling it (every caller gave up) aborts it in the engine, but it may have finished
+        already, or finish before the abort arrives: its output then goes nowhere, and the
+        producer is told to end the leases it published.
         """
         try:
-            async with asyncio.timeout(self.config.queue_timeout_s):
-                async for step in self.engine.generate(request_id, rendered, _ONE_STEP):
-                    if step.finish_reason is not None:
-                        return step.ec_transfer_params or {}
+            async for step in self.engine.generate(request_id, rendered, _ONE_STEP):
+                if step.finish_reason is not None:
+                    return step.ec_transfer_params or {}
         except asyncio.CancelledError:
             self._give_up(request_id)
             raise
-        except TimeoutError as exc:
-            self._give_up(request_id)
-            raise ResourceExhausted(
-                f"the encoder could not take the request within {self.config.queue_timeout_s:g} s (embedding arena or encoder queue full)",
-                retry_after_s=1.0,
-            ) from exc
         raise Internal("the encoder engine ended the request without a final output")
 
     def _give_up(self, request_id: str) -> None:
