@@ -578,6 +578,16 @@ def test_consumer_refuses_a_genuine_handle_under_another_items_content_hash(prod
     assert producer("reap_until_idle") == 0  # the READ ended the lease, as any read does
 
 
+def test_a_handle_crosses_vllms_params_with_every_field():
+    """ec_params writes a location's fields one by one (dataclasses.asdict cost 40 us each): a
+    field added to NixlLocation and not carried fails here."""
+    from epd.transport.connector.ec_params import expected_from_params
+
+    values = {"str": "x", "bytes": b"\x01\x02", "int": 7}
+    location = NixlLocation(**{f.name: values[f.type] for f in dataclasses.fields(NixlLocation)})
+    assert expected_from_params(expected_to_params({"h": ExpectedItem(3, 4, "float32", location)})) == {"h": ExpectedItem(3, 4, "float32", location)}
+
+
 @pytest.mark.parametrize(
     "params",
     [None, {"h3": {"epd": {"version": 99}}}, {"other": "x"}],
