@@ -208,6 +208,18 @@ async def test_more_items_than_one_prompt_takes_are_refused_naming_the_limit(fam
     assert "9 image items; one prompt takes at most 8 (--max-images-per-prompt)" in info.value.details()
 
 
+async def test_vllms_cpu_thread_count_warning_is_logged_once(family_stack):
+    """epd.compat.vllm_cpu_thread_warning: vLLM's CPU worker warned twice per request with media
+    (its renderer's thread-count context meets the worker's skip); the encoder says it once."""
+    from epd.compat.vllm_cpu_thread_warning import MESSAGE
+
+    async with grpc.aio.insecure_channel(family_stack.encoder.address) as channel:
+        stub = encoder_pb2_grpc.EncoderServiceStub(channel)
+        reply = await stub.Encode(_encode_request(8), timeout=60)
+        await stub.ReleaseEmbeddings(encoder_pb2.ReleaseEmbeddingsRequest(lease_ids=[reply.items[0].embedding.nixl.lease_id]))
+    assert family_stack.encoder.log_path.read_text().count(MESSAGE) == 1
+
+
 async def test_calls_that_arrive_together_share_engine_requests(family_stack):
     """Encode calls that are ready while the engine is busy join one engine request: twelve at
     once take fewer than twelve, and each item gets the layout and the rows it gets alone

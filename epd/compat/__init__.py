@@ -5,6 +5,7 @@ def install_vllm_fixes() -> None:
     """vLLM 0.32's omissions EPD fixes (each module says which, and when to remove it). Call it
     before an engine is built, in every process that builds or drives one."""
     from epd.compat import (
+        vllm_cpu_thread_warning,
         vllm_gemma3,
         vllm_glm4v,
         vllm_idefics3,
@@ -27,3 +28,4 @@ def install_vllm_fixes() -> None:
     vllm_qwen3_omni_vision.install()
     vllm_tower_caches.install()
     vllm_targeted_lm_names.install()
+    vllm_cpu_thread_warning.install()
