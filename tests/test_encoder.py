@@ -151,6 +151,43 @@ def test_the_towers_per_grid_caches_are_bounded_by_bytes_not_grids():
         assert (1, 500, 500) not in cache and (1, 99, 99) in cache
 
 
+async def test_callers_that_leave_a_shared_request_leave_no_lease_behind(family_stack):
+    """Calls given up while the engine request they joined also serves other calls: the others
+    get their items, the request is not aborted for them, and what is published for the callers
+    that left is released when it ends (not kept to the lease TTL)."""
+    from bench.workload import salt_media
+    from devkit.media import synthetic_image
+
+    images = [synthetic_image(112 + 28 * (seed % 3), 112, seed=seed, image_format="JPEG") for seed in range(12)]
+
+    def request(index: int, salt: str) -> encoder_pb2.EncodeRequest:
+        media = multimodal_pb2.Media(data=salt_media(images[index], "image/jpeg", salt), mime_type="image/jpeg")
+        return encoder_pb2.EncodeRequest(request_id=f"{salt}-{index}", items=[multimodal_pb2.MediaItem(image=media)])
+
+    async with grpc.aio.insecure_channel(family_stack.encoder.address) as channel:
+        stub = encoder_pb2_grpc.EncoderServiceStub(channel)
+
+        async def encode(index: int, salt: str, timeout: float) -> tuple[float, encoder_pb2.EncodeResponse | None]:
+            started = time.perf_counter()
+            try:
+                reply = await stub.Encode(request(index, salt), timeout=timeout)
+            except grpc.aio.AioRpcError as exc:
+                assert exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED, exc.details()
+                return time.perf_counter() - started, None
+            await stub.ReleaseEmbeddings(encoder_pb2.ReleaseEmbeddingsRequest(lease_ids=[reply.items[0].embedding.nixl.lease_id]))
+            return time.perf_counter() - started, reply
+
+        took = statistics.median([seconds for seconds, _ in await asyncio.gather(*(encode(i, "measure", 60) for i in range(12)))])
+        given_up = 0
+        for attempt in range(5):
+            # Every other call's deadline falls somewhere in the burst's run, the others have none.
+            outcomes = await asyncio.gather(*(encode(i, f"leave-{attempt}", 60 if i % 2 == 0 else took * (0.1 + 0.15 * (i // 2))) for i in range(12)))
+            assert all(reply is not None and reply.items[0].metadata.placeholder_count > 0 for _, reply in outcomes[::2])
+            given_up += sum(reply is None for _, reply in outcomes[1::2])
+        assert given_up, took
+        assert await wait_for_metric(family_stack.encoder.metrics_port, "epd_arena_leases", 0.0) == 0.0
+
+
 def _pending(index: int, image_hashes: list[str], video_hashes: tuple[str, ...] = ()):
     from epd.domain import MediaFile, MediaInput, Modality
     from services.encoder.batching import PendingCall
