@@ -242,10 +242,13 @@ class EncoderRunner:
                 self._release_abandoned(call)
 
     async def _render_together(self, calls: list[PendingCall]):
+        """The calls' items as one prompt after vLLM's processor, or None when they cannot go
+        together (the calls then go alone, where whatever failed here fails its own call)."""
         items = [item for call in calls for item in call.items]
         try:
             rendered = await self.engine.render(self._prompt(items, [value for call in calls for value in call.decoded]), "items")
-        except InvalidArgument:
+        except Exception:
+            logger.debug("%d Encode calls could not share an engine request; each goes alone", len(calls), exc_info=True)
             return None
         self._queue.learn(rendered.placeholders)
         paths = [f"items[{i}]" for i in range(len(items))]
