@@ -152,3 +152,13 @@ async def test_the_readme_demo_streams_what_monolithic_vllm_generates(family_sta
     oracle = await generate(family_stack.gateway_stub("monolithic"), chat_request([*parts, DEMO_PROMPT], max_tokens=DEMO_MAX_TOKENS), timeout=300)
     assert streamed == oracle.text
     assert f"completion_tokens={len(oracle.token_ids)} " in finish
+
+
+@pytest.mark.parametrize(("preset", "expected"), [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_services_start_with_openmp_threads_that_sleep_when_idle(preset, expected):
+    """cli sets OMP_WAIT_POLICY before anything imports torch (libgomp reads it when it loads),
+    and leaves an operator's setting alone."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | ({"OMP_WAIT_POLICY": preset} if preset else {})
+    probe = "import sys, os, cli; print('torch' in sys.modules, os.environ['OMP_WAIT_POLICY'])"
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120, check=True)
+    assert result.stdout.split() == ["False", expected], result.stderr

@@ -214,8 +214,8 @@ class EncoderRunner:
     async def _encode_batch(self, calls: list[PendingCall]) -> None:
         """One engine request for the calls; each call's future gets what was published, or the
         error that ended the request. Calls that cannot go together go alone, each with its own
-        request and its own errors: the batch's prompt refused by the processor, longer than the
-        engine's context, or more than the arena holds."""
+        request and its own errors: their joint prompt failed in vLLM's processor, is longer than
+        the engine's context, or needs more than the arena holds."""
         try:
             rendered = await self._render_together(calls) if len(calls) > 1 else await self._render_alone(calls[0])
             if rendered is None:
