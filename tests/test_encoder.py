@@ -198,10 +198,10 @@ def _pending(index: int, image_hashes: list[str], video_hashes: tuple[str, ...] 
     # Equal bytes, equal content hash.
     items = [MediaInput(Modality.IMAGE, MediaFile(h.encode(), "image/png")) for h in image_hashes]
     items += [MediaInput(Modality.VIDEO, MediaFile(h.encode(), "video/mp4")) for h in video_hashes]
-    return PendingCall(f"r{index}", items, [None] * len(items), [f"items[{i}]" for i in range(len(items))], asyncio.Future(loop=asyncio.new_event_loop()))
+    return PendingCall(f"r{index}", items, [None] * len(items), [f"items[{i}]" for i in range(len(items))], asyncio.get_running_loop().create_future())
 
 
-def test_call_queue_joins_calls_in_order_within_the_prompt_limits():
+async def test_call_queue_joins_calls_in_order_within_the_prompt_limits():
     """services.encoder.batching.CallQueue, the rules alone: arrival order with no call
     overtaken, the per-prompt limit of each modality, no content hash in two calls of a batch,
     and the context as the largest item seen so far predicts it."""
