@@ -17,7 +17,7 @@ from collections.abc import Iterator
 import psutil
 import pytest
 
-from cli.launcher import DEMO_MAX_TOKENS, DEMO_PROMPT, demo_media, gateway_args
+from cli.launcher import DEMO_MAX_TOKENS, DEMO_PROMPT, Stack, cpu_share_env, demo_media, gateway_args
 from epd.client import chat_request, generate
 from tests.conftest import checkpoint
 
@@ -162,3 +162,37 @@ def test_services_start_with_openmp_threads_that_sleep_when_idle(preset, expecte
     probe = "import sys, os, cli; print('torch' in sys.modules, os.environ['OMP_WAIT_POLICY'])"
     result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120, check=True)
     assert result.stdout.split() == ["False", expected], result.stderr
+
+
+@pytest.mark.parametrize(("cores", "engines", "expected"), [(8, 3, "2"), (2, 3, "1"), (2, 1, "2"), (16, 4, "4")])
+def test_co_located_engines_share_the_cores(monkeypatch, cores, engines, expected):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert cpu_share_env(engines) == {"OMP_NUM_THREADS": expected}
+
+
+def test_an_operators_openmp_thread_count_is_kept(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert cpu_share_env(4) == {}
+
+
+def test_a_stack_gives_each_service_its_share(tmp_path, monkeypatch):
+    """The share reaches the service's environment (libgomp reads it when torch loads); a
+    service's own env still wins."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(6)))
+    stack = Stack(tmp_path, engines=3)
+    try:
+        # Gateways load no model: they listen at once, and a stage-less one still starts.
+        shared = stack.start("gateway-a", gateway_args("unused", "epd", encoders=["127.0.0.1:1"], prefills=["127.0.0.1:1"], decodes=["127.0.0.1:1"]))
+        own = stack.start("gateway-b", gateway_args("unused", "epd", encoders=["127.0.0.1:1"], prefills=["127.0.0.1:1"], decodes=["127.0.0.1:1"]), env={"OMP_NUM_THREADS": "5"})
+        stack.wait_listening([shared, own], timeout=120)
+        assert _environ(shared.process.pid)["OMP_NUM_THREADS"] == "2"
+        assert _environ(own.process.pid)["OMP_NUM_THREADS"] == "5"
+    finally:
+        stack.stop()
+
+
+def _environ(pid: int) -> dict[str, str]:
+    entries = pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(entry.decode().split("=", 1) for entry in entries if b"=" in entry)
