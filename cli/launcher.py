@@ -250,9 +250,15 @@ def cpu_share_env(engines: int) -> dict[str, str]:
     oversubscribe the host. With the pool's threads asleep between regions (``OMP_WAIT_POLICY``,
     ``cli/__init__.py``), each parallel region then pays a wake-up per thread: a decode step of the
     tiny Qwen2.5-VL took 3.4 ms of wall time and 3.1 ms of CPU with 2 threads against 1.75 and 1.8
-    with one (batch 1; bitwise the same logprobs). Serving images on a 2-core host (A/B,
-    6 rotating repeats): E/P/D with one thread per engine 15.4 req/s at 103 ms of CPU per request,
-    with two 13.3 at 117; monolithic 22.5 and 21.8 either way.
+    with one (batch 1). Serving images on a 2-core host (A/B, 6 rotating repeats): E/P/D with one
+    thread per engine 15.4 req/s at 103 ms of CPU per request, with two 13.3 at 117; monolithic
+    22.5 and 21.8 either way.
+
+    The thread count is part of what a bf16 engine computes: on an AMX host the Qwen2.5-Omni
+    thinker's greedy bf16 tokens with one thread differ from vLLM's with two (fp32 ones do not).
+    So a monolithic reference for such a stack must run with the same count, as the serving
+    benchmark's does (all its engines share one stack); the test stacks keep torch's default,
+    the count of their in-process ``LLM.chat`` oracle.
     """
     if "OMP_NUM_THREADS" in os.environ:
         return {}

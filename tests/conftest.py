@@ -72,7 +72,7 @@ class FamilyStack:
 def _start_family(key: str, log_dir: pathlib.Path, otlp_endpoint: str) -> FamilyStack:
     family, _, dtype = key.partition("@")
     model = str(checkpoint(family))
-    stack = Stack(log_dir / key, engines=len(FAMILY_ENGINES))
+    stack = Stack(log_dir / key)
     try:
         return _start_services(key, model, stack, otlp_endpoint, ["--dtype", dtype or "float32"])
     except BaseException:
@@ -84,10 +84,6 @@ def _start_family(key: str, log_dir: pathlib.Path, otlp_endpoint: str) -> Family
 MAX_VIDEO_FRAMES = 120
 MEDIA_LIMITS = ["--max-video-frames", str(MAX_VIDEO_FRAMES)]
 DISAGGREGATED_MODES = ["epd", "epd-combined"]
-
-
-# The vLLM engines of a family's stack, which share the host's cores.
-FAMILY_ENGINES = ("encoder", "prefill", "decode", "gateway-monolithic")
 
 
 def _start_services(family: str, model: str, stack: Stack, otlp_endpoint: str, dtype: list[str]) -> FamilyStack:
