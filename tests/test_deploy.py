@@ -128,6 +128,17 @@ def test_only_epd_pods_reach_the_stages_and_only_the_public_port_is_open(overlay
     assert gateway["ingress"][0] == {"ports": [{"port": "grpc-gateway", "protocol": "TCP"}]}
 
 
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_each_engine_gets_as_many_openmp_threads_as_cores_it_requests(overlay):
+    """Torch would size each engine's OpenMP pool to the node's cores and oversubscribe them."""
+    workloads = _of_kind(_render(overlay), "StatefulSet")
+    for stage in ("encoder", "prefill", "decode"):
+        (container,) = workloads[f"epd-{stage}"]["spec"]["template"]["spec"]["containers"]
+        assert container["resources"]["requests"]["cpu"]
+        (threads,) = [variable for variable in container["env"] if variable["name"] == "OMP_NUM_THREADS"]
+        assert threads["valueFrom"]["resourceFieldRef"] == {"containerName": stage, "resource": "requests.cpu", "divisor": "1"}
+
+
 def test_the_gpu_overlay_gives_every_stage_pod_a_gpu_and_bf16():
     docs = _render("gpu")
     for stage in _of_kind(docs, "StatefulSet").values():
