@@ -423,7 +423,8 @@ def report(doc: dict) -> list[str]:
         f"Model: `{cfg['model']}`; {w['num_requests']} requests of {w['items_per_request'][0]}-{w['items_per_request'][1]} "
         f"{_MEDIA[w['modality']](w)} and {w['max_tokens']} output tokens each, "
         f"seed {cfg['workload']['seed']}; Poisson at {cfg['rate']} req/s and a saturation run (all at once); medians over {cfg['repeats']} repeats; "
-        f"engine prefix and multimodal caches {cfg['caches']}.",
+        f"engine prefix and multimodal caches {cfg['caches']}; the five engines (encoder, prefill, decode, combined, monolithic) run side by side, "
+        "each with its share of the cores as OpenMP threads (`cli.launcher.cpu_share_env`).",
         "",
         "| arm | load | req/s | output tok/s | TTFT median ms | TPOT median ms | E2EL mean ms | E2EL p99 ms | encode / prefill / decode median ms | gateway overhead p50 / p99 ms | tokens = monolithic |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
