@@ -125,6 +125,10 @@ def _end_state(services: dict[str, ServiceProcess]) -> dict[str, float]:
     }
 
 
+# How long a kill waits for its stage to have a call in flight.
+_BUSY_WAIT_S = 10.0
+
+
 class _Victims:
     """Random stages, every stage once in each round of three (so that a short run hits each),
     and only a stage whose other instance is up: one instance of each stage is always live, as
@@ -144,9 +148,20 @@ class _Victims:
             stage = next((s for s in self._round if s not in self.down), None)
             if stage is not None:
                 self._round.remove(stage)
-                busy = {f"{stage}{i}": scrape(self._services[f"{stage}{i}"].metrics_port).get(f"epd_requests_in_flight{{service={stage}}}", 0.0) for i in range(2)}
+                busy = await self._busy(stage)
                 return max(self._rng.sample(sorted(busy), 2), key=busy.get)
             await asyncio.sleep(0.5)
+
+    async def _busy(self, stage: str) -> dict[str, float]:
+        """Calls in flight on each instance of the stage, once one has any (or after
+        :data:`_BUSY_WAIT_S`): under a closed loop every request passes each stage, but at a
+        given moment all of them may be at the others."""
+        deadline = time.perf_counter() + _BUSY_WAIT_S
+        while True:
+            busy = {f"{stage}{i}": scrape(self._services[f"{stage}{i}"].metrics_port).get(f"epd_requests_in_flight{{service={stage}}}", 0.0) for i in range(2)}
+            if max(busy.values()) > 0 or time.perf_counter() >= deadline:
+                return busy
+            await asyncio.sleep(0.05)
 
 
 async def _kill_and_restart(stack: Stack, services: dict[str, ServiceProcess], lives: _Lives, name: str) -> dict[str, Any]:
