@@ -380,6 +380,7 @@ def run(
     )
     progress(f"{experiment}: building {workload.num_requests} {workload.modality} requests (seed {workload.seed})")
     requests = build_requests(workload)
+    # Every arm's engine runs on this host at once, monolithic included: one share for all.
     stack = Stack(engines=len(("encoder", *ENGINES)))
     progress(f"{experiment}: starting the stack for {model} (logs in {stack.log_dir})")
     with contextlib.ExitStack() as running:
