@@ -247,18 +247,38 @@ class DisaggregatedPipeline:
                 continuation=request.continuation,
                 cache_salt=request.cache_salt,
             )
+            # The reply's tokens that the decode's prompt ends with.
+            continued = len(request.continuation)
             if self.prefills is not None and not self._prefill_on_decode(request.request_id):
                 started = time.perf_counter()
                 prefilled = await self.prefills.prefill(engine_request, deadline, avoid)
                 handoff, prefill_address = prefilled.kv_handoff, prefilled.address
                 clock.timings.prefill = time.perf_counter() - started
-                # The decode runs the very token ids whose KV the prefill left.
-                engine_request = dataclasses.replace(engine_request, prompt_token_ids=prefilled.prompt_token_ids, chat=(), continuation=(), kv_handoff=handoff)
+                clock.prompt_tokens = prefilled.prompt_token_count - continued
+                clock.token(1)
+                yield Delta([prefilled.first_token_id], prefilled.first_token_text)
+                if prefilled.finish_reason is not None:
+                    completed = True
+                    # The reply ended with its first token: no decode will read the KV.
+                    await asyncio.shield(self.decodes.release_kv(request.request_id, handoff, avoid))
+                    yield clock.finished(prefilled.finish_reason)
+                    return
+                # The decode runs the very token ids whose KV the prefill left, then goes on
+                # from the first token.
+                continued = 1
+                engine_request = dataclasses.replace(
+                    engine_request,
+                    prompt_token_ids=prefilled.prompt_token_ids,
+                    chat=(),
+                    continuation=(prefilled.first_token_id,),
+                    sampling=request.sampling.after(len(request.continuation) + 1),
+                    kv_handoff=handoff,
+                )
             clock.decoding()
             try:
                 async for event in self.decodes.decode(engine_request, deadline, avoid):
                     decode_answered = True  # its engine has read the KV: vLLM frees it from here on
-                    clock.prompt_tokens = event.prompt_token_count - len(request.continuation)  # the engine's prompt holds them
+                    clock.prompt_tokens = event.prompt_token_count - continued
                     if isinstance(event, DecodeEnd):
                         yield clock.finished(event.reason)
                         continue

@@ -144,11 +144,16 @@ def prefix_affinity_key(request: EngineRequest) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Prefilled:
-    """A prefill's result: the KV handoff, the prompt as the prefill rendered it (the decode
-    must run exactly these token ids), and the instance that holds the KV."""
+    """A prefill's result: the reply's first token (and the reason the reply ends there, if it
+    does), the KV handoff, the prompt as the prefill rendered it (the decode must run exactly
+    these token ids), and the instance that holds the KV."""
 
+    first_token_id: int
+    first_token_text: str
+    finish_reason: FinishReason | None
     kv_handoff: KvHandoff
     prompt_token_ids: tuple[int, ...]
+    prompt_token_count: int  # expanded
     address: str
 
 
@@ -163,7 +168,15 @@ class PrefillClient:
                 response = await stub.Prefill(wire.prefill_request_to_wire(request), timeout=time_left(deadline), metadata=telemetry.trace_metadata())
             except grpc.aio.AioRpcError as exc:
                 raise _engine_prompt_error(self.pool, address, request, _stage_error(self.pool, address, exc, deadline)) from exc
-        return Prefilled(wire.kv_handoff_from_wire(response.kv_handoff), tuple(response.prompt_token_ids), address)
+        return Prefilled(
+            response.first_token_id,
+            response.first_token_text,
+            wire.finish_reason_from_wire(response.finish_reason) if response.finish_reason else None,
+            wire.kv_handoff_from_wire(response.kv_handoff),
+            tuple(response.prompt_token_ids),
+            response.prompt_token_count,
+            address,
+        )
 
 
 @dataclasses.dataclass(frozen=True)

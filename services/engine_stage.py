@@ -34,7 +34,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator
 
 from epd import wire
-from epd.domain import EncodedItem, EngineRequest, InlineEmbedding, KvHandoff
+from epd.domain import EncodedItem, EngineRequest, FinishReason, InlineEmbedding, KvHandoff
 from epd.engine import Engine, EngineRole, EngineStep, RenderedPrompt, kv_params_for_decode, kv_params_for_prefill
 from epd.errors import Aborted, FailedPrecondition, FieldViolation, InvalidArgument, Unavailable
 from epd.media import MediaLimits
@@ -54,6 +54,8 @@ _KV_TAKE_MARGIN_S = 3.0
 @dataclasses.dataclass(frozen=True)
 class PrefillResult:
     first_token_id: int
+    first_token_text: str
+    finish_reason: FinishReason | None  # set when the reply ends with the first token
     kv_handoff: KvHandoff
     prompt_token_ids: tuple[int, ...]  # as rendered (continuation included), placeholders unexpanded: what its decode runs
     prompt_token_count: int  # expanded
@@ -71,19 +73,34 @@ class EngineStage:
         self._used_handoffs = UsedHandoffs()
 
     async def prefill(self, request: EngineRequest) -> PrefillResult:
-        """Prefills and leaves the KV for a decode engine."""
+        """Prefills and leaves the KV for a decode engine, which continues after the first
+        token (sampled here, from the prompt's last position, as a monolithic engine does)."""
         self._check_role(request)
         token_ids = await self._token_ids(request)
         prompt = await self._prompt(request, token_ids)
         started = time.perf_counter()
         last: EngineStep | None = None
+        first_token_ids, text = [], ""
         async for step in self.engine.generate(
             self._prefill_request_id(request.request_id), prompt, request.sampling, kv_params=kv_params_for_prefill(), ec_params=self._ec_params(request), max_tokens=1
         ):
+            first_token_ids += step.token_ids
+            text += step.text
             last = step
-        if last is None or last.kv_handoff is None or not last.token_ids:
+        if last is None or last.kv_handoff is None or not first_token_ids:
             raise Unavailable("prefill engine finished without a KV handoff")
-        return PrefillResult(last.token_ids[0], self.handoff_seal.sealed(last.kv_handoff), token_ids, last.prompt_token_count, time.perf_counter() - started)
+        # The engine ran one token of the reply, so it reports LENGTH unless that token stopped
+        # it; LENGTH ends the reply only when one token was all it had left.
+        ends_reply = last.finish_reason is FinishReason.STOP or request.sampling.max_tokens == 1
+        return PrefillResult(
+            first_token_ids[0],
+            text,
+            last.finish_reason if ends_reply else None,
+            self.handoff_seal.sealed(last.kv_handoff),
+            token_ids,
+            last.prompt_token_count,
+            time.perf_counter() - started,
+        )
 
     @staticmethod
     def _prefill_request_id(request_id: str) -> str:
@@ -102,7 +119,7 @@ class EngineStage:
         prompt = await self._prompt(request, await self._token_ids(request))
         kv_params = None
         if request.kv_handoff is not None:
-            _check_handoff_fits(request.kv_handoff, prompt, self.engine.kv_block_size, self.engine.tensor_parallel_size)
+            _check_handoff_fits(request.kv_handoff, prompt, len(request.continuation), self.engine.kv_block_size, self.engine.tensor_parallel_size)
             _check_lease_left(request.kv_handoff)
             if not self._used_handoffs.first_use(request.kv_handoff):
                 raise FailedPrecondition(
@@ -133,8 +150,10 @@ class EngineStage:
             if not request.prompt_token_ids:
                 # Rendered again here, a chat could come out other than the KV's tokens.
                 raise InvalidArgument.for_field("prompt.token_ids", "is required with a kv_handoff: the prompt_token_ids its prefill returned")
-            if request.continuation:
-                raise InvalidArgument.for_field("prompt.continuation_token_ids", "must be empty with a kv_handoff: its prefill's prompt_token_ids hold them")
+            if len(request.continuation) > 1:
+                raise InvalidArgument.for_field(
+                    "prompt.continuation_token_ids", "holds at most the prefill's first token with a kv_handoff: its prefill's prompt_token_ids hold the rest"
+                )
             return  # the KV holds the embeddings; handles are ignored
         violations = []
         for index, item in enumerate(request.items):
@@ -264,14 +283,15 @@ class UsedHandoffs:
         return True
 
 
-def _check_handoff_fits(handoff: KvHandoff, prompt: RenderedPrompt, block_size: int, tp_size: int) -> None:
-    """A prefill hands out the blocks of the prompt it computed, which is this one: no group can
-    hold more blocks than the prompt fills, nor more tokens. More blocks would make vLLM read
-    blocks past the request's own (another request's KV), which it cannot tell; fewer, or a
-    group the engine has no room for, fail in vLLM's worker, and fail only this request there
+def _check_handoff_fits(handoff: KvHandoff, prompt: RenderedPrompt, continued: int, block_size: int, tp_size: int) -> None:
+    """A prefill hands out the blocks of the prompt it computed, which is this one up to the
+    ``continued`` tokens after it (its first token): no group can hold more blocks than that
+    fills, nor more tokens. More blocks would make vLLM read blocks past the request's own
+    (another request's KV), which it cannot tell; fewer, or a group the engine has no room for,
+    fail in vLLM's worker, and fail only this request there
     (``epd.transport.connector.kv_connector``). EPD runs every engine at one tensor-parallel
     size (it configures none), so a prefill's is this decode's."""
-    tokens = len(prompt.engine_input["prompt_token_ids"])
+    tokens = len(prompt.engine_input["prompt_token_ids"]) - continued
     most_blocks = -(-tokens // block_size)
     violations = [
         FieldViolation(f"kv_handoff.remote_block_groups[{index}].block_ids", f"holds {len(group)} blocks; the prompt's {tokens} tokens fill {most_blocks}")

@@ -311,6 +311,35 @@ async def test_a_real_prefills_handoff_altered_fails_only_its_own_request(family
     assert (await generate(family_stack.gateway_stub("epd"), chat_request(parts, max_tokens=4), timeout=120)).token_ids == oracle.token_ids
 
 
+async def test_a_handoff_continues_after_at_most_the_prefills_first_token(family_stack):
+    """A decode given a KV handoff continues after the prefill's first token, which it computes
+    itself; more tokens after the KV than that one the prefill never computed, so the decode
+    refuses them (INVALID_ARGUMENT naming the field) with its engine unharmed, and then decodes
+    the genuine request, its first token given, into the monolithic reply."""
+    parts = [(synthetic_image_png(100, 84, seed=81), "image/png"), "Describe it."]
+    oracle = await generate(family_stack.gateway_stub("monolithic"), chat_request(parts, max_tokens=4), timeout=120)
+    prefill, response = await prefill_directly(family_stack, parts)
+    assert response.first_token_id == oracle.token_ids[0]
+    items = list(prefill.items)
+    for item in items:
+        item.ClearField("embedding")
+
+    def decode_request(continuation: list[int]) -> decode_pb2.DecodeRequest:
+        prompt = engine_pb2.EnginePrompt(token_ids=response.prompt_token_ids, continuation_token_ids=continuation)
+        sampling = common_pb2.SamplingParams(max_tokens=prefill.sampling.max_tokens - 1, temperature=0)
+        return decode_pb2.DecodeRequest(request_id=prefill.request_id, prompt=prompt, items=items, sampling=sampling, kv_handoff=response.kv_handoff)
+
+    async with grpc.aio.insecure_channel(family_stack.decode.address) as channel:
+        stub = decode_pb2_grpc.DecodeServiceStub(channel)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in stub.Decode(decode_request(oracle.token_ids[:2]), timeout=60):
+                pass
+        assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value.details()
+        assert violations(refused.value) == ["prompt.continuation_token_ids"], refused.value.details()
+        decoded = [t async for r in stub.Decode(decode_request([response.first_token_id]), timeout=60) for t in r.token_ids]
+    assert [response.first_token_id, *decoded] == oracle.token_ids
+
+
 async def test_a_release_needs_a_sealed_handoff_and_its_secret_request_id(family_stack):
     """``ReleaseKv`` frees the KV of the prefill request its handoff names. A release naming the
     victim's prefill engine and blocks under a request id guessed from the victim's is refused

@@ -238,6 +238,33 @@ async def test_a_released_handoff_frees_the_prefills_kv_at_once(family_stack):
     assert time.monotonic() - prefilled < _KV_LEASE_S / 2
 
 
+@pytest.mark.parametrize("ending", ["max_tokens_of_1", "a_stop_string_in_the_first_token"])
+async def test_a_reply_that_ends_with_its_first_token_frees_the_prefills_kv_at_once(family_stack, ending):
+    """The prefill samples the reply's first token; when the reply ends there (max_tokens 1, or a
+    stop string the token's text holds), no decode runs: the gateway streams that token, ends the
+    reply as the monolithic engine does (tokens, text, finish reason, usage), and releases the
+    prefill's KV at once rather than at the end of its lease."""
+    parts = [(_IMAGES[1], "image/png"), "One word."]
+    request = chat_request(parts, max_tokens=1)
+    if ending == "a_stop_string_in_the_first_token":
+        deltas = []
+        await generate(family_stack.gateway_stub("monolithic"), chat_request(parts, max_tokens=4), on_delta=deltas.append, timeout=120)
+        assert len(deltas[0].token_ids) == 1 and deltas[0].text.strip(), "the chosen request's first token must have text to stop on"
+        request = chat_request(parts, max_tokens=4)
+        request.sampling.stop.append(deltas[0].text)
+    port = family_stack.prefill.metrics_port
+    usage = "vllm:kv_cache_usage_perc"
+    assert await wait_for_metric(port, usage, 0.0, timeout=30) == 0.0
+    oracle = await generate(family_stack.gateway_stub("monolithic"), request, timeout=120)
+    assert len(oracle.token_ids) == 1
+    result = await generate(family_stack.gateway_stub("epd"), request, timeout=120)
+    ended = time.monotonic()
+    assert (result.token_ids, result.text, result.finished.finish_reason) == (oracle.token_ids, oracle.text, oracle.finished.finish_reason)
+    assert result.finished.usage == oracle.finished.usage
+    assert await wait_for_metric(port, usage, 0.0, timeout=15) == 0.0
+    assert time.monotonic() - ended < _KV_LEASE_S / 2
+
+
 class _FailingDecode(decode_pb2_grpc.DecodeServiceServicer):
     """A decode instance that says it serves, then fails every call as an instance that breaks
     between the health check and the call does: the gateway's cue to retry elsewhere."""

@@ -1,4 +1,4 @@
-"""PrefillService servicer: parse, prefill, return the KV handoff."""
+"""PrefillService servicer: parse, prefill, return the first token and the KV handoff."""
 
 from __future__ import annotations
 
@@ -28,10 +28,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillServiceServicer):
         if self.stage is None:
             raise Unavailable("prefill engine is still loading")
         result = await self.stage.prefill(wire.prefill_request_from_wire(request))
-        return prefill_pb2.PrefillResponse(
+        response = prefill_pb2.PrefillResponse(
             first_token_id=result.first_token_id,
+            first_token_text=result.first_token_text,
             kv_handoff=wire.kv_handoff_to_wire(result.kv_handoff),
             prompt_token_count=result.prompt_token_count,
             engine_s=result.engine_s,
             prompt_token_ids=result.prompt_token_ids,
         )
+        if result.finish_reason is not None:
+            response.finish_reason = wire.finish_reason_to_wire(result.finish_reason)
+        return response

@@ -12,6 +12,14 @@
   "error" and logs the cause. The worker's failures are also noted on the engine core's desk
   (:mod:`epd.transport.desk`, named by ``kv_connector_extra_config["epd_desk"]``), so
   the decode service's status names the cause.
+- **The decode continues after the prefill's first token.** vLLM's decode loads the KV of its
+  whole prompt and computes the prompt's last token again to sample the first one. Here the
+  decode's prompt ends with the prefill's first token, after the KV's tokens
+  (``remote_num_tokens``), so it loads only those and computes that token itself, as a
+  monolithic engine's first decode step does. Every position is then computed as a monolithic
+  engine computes it: the prompt in one prefill, each later token in a one-token step. vLLM's
+  way rounds differently wherever a one-token step and a prefill do: in bf16 on an AMX CPU a
+  reply diverged from the monolithic one at its third token.
 - **A handoff that breaks a READ fails only its request.** vLLM's worker trusts the handoff it is
   given: block lists that do not fit this engine's KV layout (an empty group where the decode
   allocated blocks, fewer blocks than the prompt) raise an ``AssertionError`` or ``ValueError``
@@ -67,6 +75,16 @@ class NixlConnector(VllmNixlConnector):
             worker._log_failure = _noting_failures(worker, self._desk.failures)
         if worker is not None:
             worker._read_blocks_for_req = _failing_alone(worker)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        count, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        params = request.kv_transfer_params
+        # (count None is vLLM's "ask again later", not a count.)
+        if count and params and params.get("do_remote_prefill") and params.get("remote_num_tokens"):
+            # The tokens whose KV the prefill holds, at most; after them comes its first token.
+            count = max(0, min(count, params["remote_num_tokens"] - num_computed_tokens))
+            load_async = load_async and count > 0
+        return count, load_async
 
     def shutdown(self) -> None:
         super().shutdown()
