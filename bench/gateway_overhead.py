@@ -2,8 +2,8 @@
 
 The gateway (``epd gateway --mode epd``, its own process, as deployed) is pointed at an encoder,
 a prefill and a decode that do no work: the encoder returns one item's metadata and a 4 KiB
-inline embedding, the prefill a KV handoff, the decode streams the tokens (one per message, as
-a real decode does). What remains is the gateway's own work per request: parsing and validating
+inline embedding, the prefill the first token and a KV handoff, the decode streams the tokens
+after it (one per message, as a real decode does). What remains is the gateway's own work per request: parsing and validating
 the request, hashing the media, three gRPC hops and their conversions, tracing, metrics and
 streaming the deltas back. The gateway renders no chat template (the engine that prefills
 does) and reads no model file, so it is given a model name and no checkpoint.
@@ -23,7 +23,8 @@ Requests go one at a time (one image, 16 output tokens), so latency is not queue
 - ``direct_ms``: the same client streaming the same tokens straight from the stand-in decode:
   the floor of one hop; ``added_ms`` = gateway latency minus that floor (median and p99);
 - ``first_token_added_ms``: the same difference at the first token (what the gateway adds to
-  TTFT: its per-request work and its three hops), and ``per_token_added_ms`` the rest spread
+  TTFT: its per-request work and the encoder's and prefill's hops, the first token being the
+  prefill's), and ``per_token_added_ms`` the rest spread
   over the later tokens (what relaying one more streamed token costs), so the figure for any
   output length is the first plus that many times the second;
 - ``cpu_ms_per_request``: the gateway process's CPU time (user + system) per request;
@@ -99,8 +100,10 @@ def _serve_bare_relay(stage_address: str, ports: multiprocessing.Queue) -> None:
                     image = request.messages[0].parts[0].image
                     items = [multimodal_pb2.MediaItem(image=multimodal_pb2.Media(data=image.data, mime_type=image.mime_type))]
                     await encoder.Encode(encoder_pb2.EncodeRequest(request_id=request.request_id, items=items), timeout=30)
-                    await prefill.Prefill(prefill_pb2.PrefillRequest(request_id=request.request_id, prompt=prompt), timeout=30)
-                    async for message in decode.Decode(decode_pb2.DecodeRequest(request_id=request.request_id, prompt=prompt), timeout=30):
+                    prefilled = await prefill.Prefill(prefill_pb2.PrefillRequest(request_id=request.request_id, prompt=prompt), timeout=30)
+                    yield gateway_pb2.GenerateResponse(delta=gateway_pb2.GenerateDelta(token_ids=[prefilled.first_token_id], text=prefilled.first_token_text))
+                    continued = engine_pb2.EnginePrompt(token_ids=prompt.token_ids, continuation_token_ids=[prefilled.first_token_id])
+                    async for message in decode.Decode(decode_pb2.DecodeRequest(request_id=request.request_id, prompt=continued), timeout=30):
                         yield gateway_pb2.GenerateResponse(delta=gateway_pb2.GenerateDelta(token_ids=message.token_ids, text=message.text))
                     yield gateway_pb2.GenerateResponse(finished=gateway_pb2.GenerateFinished())
 
@@ -221,7 +224,8 @@ def report(doc: dict) -> list[str]:
         f"{doc['requests']} sequential E/P/D requests of one 224 px PNG and {doc['output_tokens']} output tokens (one per streamed message), "
         "after a warm-up. The stand-in encoder, prefill and decode do no work and are compiled (grpc-go, `bench/go_stages`), so a call to one "
         "costs next to nothing, and so is the client that times every path (`go_stages -role client`): every millisecond is the gateway's and its "
-        "three hops'. The bare relays make the same three calls from their own process and relay the decode's stream message by message, with "
+        "three hops'. The bare relays make the same three calls from their own process, send the prefill's first token and relay the decode's stream "
+        "message by message, with "
         "none of EPD's other work (no validation, hashing, routing, retries, spans or metrics): the grpc.aio one is the floor the gateway's runtime "
         "sets for this hop shape; the grpc-go one (`bench/go_stages/relay.go`, the stages' real protocol, which the serving experiments also run "
         "against real stages) what a compiled gRPC runtime costs for it, a measuring instrument. The paths take turns request by request. "
@@ -239,7 +243,8 @@ def report(doc: dict) -> list[str]:
         f"| added by the bare grpc.aio relay (relay minus floor) | {fmt(relay_added['median'])} | {fmt(relay_added['p99'])} |",
         f"| added by the bare grpc-go relay (relay minus floor) | {fmt(go_relay_added['median'])} | {fmt(go_relay_added['p99'])} |",
         "",
-        "Where the added time goes (medians, ms): at the first token (the per-request work and the three hops, what TTFT grows by), and per "
+        "Where the added time goes (medians, ms): at the first token (the per-request work and the hops to the encoder and the prefill, whose "
+        "first token it is: what TTFT grows by), and per "
         f"later token (relaying one more streamed message; {doc['output_tokens'] - 1} here), so any output length costs the first plus that many "
         "times the second.",
         "",

@@ -29,6 +29,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from epd.compat.vllm_continued_detokenizer import CONTINUED
 from epd.domain import FinishReason, KvHandoff, Modality, Sampling
 from epd.errors import InvalidArgument, Unavailable
 from epd.ports import free_port
@@ -322,8 +323,11 @@ class Engine:
         kv_params: dict[str, Any] | None = None,
         ec_params: dict[str, Any] | None = None,
         max_tokens: int | None = None,
+        continued: int = 0,
     ) -> AsyncIterator[EngineStep]:
         """Streams the request's output as deltas; aborts it in the engine if the caller stops.
+        ``continued``: how many of the prompt's last tokens are the reply's (its text goes on
+        from them as the uninterrupted reply's did).
 
         Raises:
             InvalidArgument: vLLM refused the request (sampling values, prompt too long).
@@ -343,6 +347,8 @@ class Engine:
             extra_args["kv_transfer_params"] = kv_params
         if ec_params:
             extra_args["ec_transfer_params"] = ec_params
+        if continued:
+            extra_args[CONTINUED] = continued
         try:
             params = SamplingParams(
                 max_tokens=max_tokens,

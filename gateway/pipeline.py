@@ -263,9 +263,9 @@ class DisaggregatedPipeline:
                     await asyncio.shield(self.decodes.release_kv(request.request_id, handoff, avoid))
                     yield clock.finished(prefilled.finish_reason)
                     return
-                # The decode runs the very token ids whose KV the prefill left, then goes on
-                # from the first token.
-                continued = 1
+                # The decode runs the very token ids whose KV the prefill left (the reply's so
+                # far among them), then goes on from the first token.
+                continued += 1
                 engine_request = dataclasses.replace(
                     engine_request,
                     prompt_token_ids=prefilled.prompt_token_ids,
@@ -346,7 +346,7 @@ class MonolithicPipeline:
         clock.multimodal_tokens = sum(length for _, length, _ in rendered.placeholders)
         clock.decoding()  # one engine does it all: its time is the decode's
         clock.continued = len(request.continuation)
-        async for step in self.engine.generate(request.request_id, rendered, request.sampling.after(clock.continued)):
+        async for step in self.engine.generate(request.request_id, rendered, request.sampling.after(clock.continued), continued=clock.continued):
             clock.prompt_tokens = step.prompt_token_count - clock.continued
             if step.token_ids:
                 clock.token(len(step.token_ids))

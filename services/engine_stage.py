@@ -82,7 +82,13 @@ class EngineStage:
         last: EngineStep | None = None
         first_token_ids, text = [], ""
         async for step in self.engine.generate(
-            self._prefill_request_id(request.request_id), prompt, request.sampling, kv_params=kv_params_for_prefill(), ec_params=self._ec_params(request), max_tokens=1
+            self._prefill_request_id(request.request_id),
+            prompt,
+            request.sampling,
+            kv_params=kv_params_for_prefill(),
+            ec_params=self._ec_params(request),
+            max_tokens=1,
+            continued=len(request.continuation),
         ):
             first_token_ids += step.token_ids
             text += step.text
@@ -126,7 +132,9 @@ class EngineStage:
                     f"kv_handoff for prefill request {request.kv_handoff.remote_request_id!r} was already decoded or released here: a handoff is good for one decode"
                 )
             kv_params = kv_params_for_decode(request.kv_handoff)
-        async for step in self.engine.generate(f"{request.request_id}-decode", prompt, request.sampling, kv_params=kv_params, ec_params=self._ec_params(request)):
+        async for step in self.engine.generate(
+            f"{request.request_id}-decode", prompt, request.sampling, kv_params=kv_params, ec_params=self._ec_params(request), continued=len(request.continuation)
+        ):
             yield step
 
     async def release_kv(self, request_id: str, handoff: KvHandoff) -> None:

@@ -135,7 +135,7 @@ async def assert_matches_monolithic(family_stack, parts: list, mode: str, *, max
     result = await generate(family_stack.gateway_stub(mode), request, timeout=180)
     assert len(oracle.token_ids) >= MIN_TOKENS
     assert result.token_ids == oracle.token_ids
-    assert result.text == oracle.text
+    assert result.text == oracle.text, (result.text, oracle.text)
     assert result.finished.finish_reason == oracle.finished.finish_reason
     assert result.finished.usage.prompt_tokens == oracle.finished.usage.prompt_tokens
     assert result.finished.usage.multimodal_tokens == oracle.finished.usage.multimodal_tokens > 0

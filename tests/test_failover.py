@@ -280,7 +280,7 @@ class _FailingDecode(decode_pb2_grpc.DecodeServiceServicer):
         await context.abort(grpc.StatusCode.UNAVAILABLE, "decode engine failed")
 
 
-async def test_a_decode_failing_before_its_first_token_frees_the_prefills_kv_at_once(family_stack):
+async def test_a_decode_failing_before_it_answers_frees_the_prefills_kv_at_once(family_stack):
     """The prefill's KV for a request whose decode failed is released at once, through the
     other decode instance, not at the end of its lease (with no retry here, so that no later
     attempt's decode frees it instead); the next request is served exactly."""

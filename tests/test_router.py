@@ -279,8 +279,8 @@ async def test_releasing_leases_on_an_encoder_that_left_is_logged_not_raised(cap
 
 
 class _FirstDecodeFails:
-    """Stand-in stage clients (pure orchestration; no channel): the first decode fails before
-    answering with ``error``; the rest answer."""
+    """Stand-in stage clients (pure orchestration; no channel): each prefill's first token is 4
+    plus its number; the first decode fails before answering with ``error``; the rest answer."""
 
     def __init__(self, error: Exception) -> None:
         self.error = error
@@ -295,10 +295,12 @@ class _FirstDecodeFails:
         assert request.chat and not request.prompt_token_ids  # the prefill renders the chat
         self.prefills.append(avoid)
         number = len(self.prefills)
-        return Prefilled(KvHandoff(f"prefill-{number}", ((1,),), "127.0.0.1", 5600, "r", 3, 1), (1, 2, 3), f"prefill-{number}:1")
+        handoff = KvHandoff(f"prefill-{number}", ((1,),), "127.0.0.1", 5600, "r", 3, 1)
+        return Prefilled(4 + number, "x", None, handoff, (1, 2, 3), 3, f"prefill-{number}:1")
 
     async def decode(self, request, deadline, avoid):
         assert request.prompt_token_ids == (1, 2, 3) and not request.chat  # the ids the prefill rendered
+        assert request.continuation == (4 + len(self.prefills),)  # then that prefill's first token
         if request.kv_handoff.remote_engine_id == "prefill-1":
             raise self.error
         yield DecodeStep([7, 8], "ab", 3)
@@ -313,22 +315,22 @@ class _FirstDecodeFails:
 
 async def _run_once(stages: _FirstDecodeFails) -> list:
     pipeline = DisaggregatedPipeline(Mode.EPD, MediaLimits(), stages, stages, stages, retry=RetryPolicy(max_attempts=2, retry_backoff_s=0.001))
-    request = wire.generate_request_from_wire(chat_request(["hello"], max_tokens=2))
+    request = wire.generate_request_from_wire(chat_request(["hello"], max_tokens=4))
     return [event async for event in pipeline.generate(request, deadline=None)]
 
 
 async def test_a_kv_lease_that_ran_out_is_prefilled_again_and_released():
     stages = _FirstDecodeFails(Aborted("kv_handoff: the KV is freed -1.0 s from now; run it again"))
     events = await _run_once(stages)
-    assert [e.token_ids for e in events if isinstance(e, Delta)] == [[7, 8]]
+    assert [e.token_ids for e in events if isinstance(e, Delta)] == [[5], [6], [7, 8]]  # resumed after the first prefill's token
     assert stages.prefills == [frozenset(), frozenset()]  # an expired lease is nobody's fault: nothing avoided
     assert [h.remote_engine_id for h in stages.released] == ["prefill-1"]  # the first try's KV, not waiting for its lease
 
 
-async def test_a_decode_failing_before_its_first_token_sends_the_next_try_to_another_prefill_too():
+async def test_a_decode_failing_before_it_answers_sends_the_next_try_to_another_prefill_too():
     """It most often failed to pull the KV because the prefill holding it died (a kill test once
     spent its last try on that dead prefill, which the gateway had not noticed yet)."""
     stages = _FirstDecodeFails(StageFailed("decode", "decode-a:1", "engine failed request r-decode (finish reason 'error')"))
     events = await _run_once(stages)
-    assert [e.token_ids for e in events if isinstance(e, Delta)] == [[7, 8]]
+    assert [e.token_ids for e in events if isinstance(e, Delta)] == [[5], [6], [7, 8]]  # resumed after the first prefill's token
     assert stages.prefills == [frozenset(), frozenset({"decode-a:1", "prefill-1:1"})]

@@ -107,7 +107,7 @@ func (prefill) Prefill(_ context.Context, request *epdv1.PrefillRequest) (*epdv1
 		RemoteNumTokens:   count,
 		TpSize:            1,
 	}
-	return &epdv1.PrefillResponse{FirstTokenId: 1, KvHandoff: handoff, PromptTokenCount: count, PromptTokenIds: ids}, nil
+	return &epdv1.PrefillResponse{FirstTokenId: 99, FirstTokenText: "x", KvHandoff: handoff, PromptTokenCount: count, PromptTokenIds: ids}, nil
 }
 
 type decode struct {
@@ -115,7 +115,9 @@ type decode struct {
 }
 
 func (decode) Decode(request *epdv1.DecodeRequest, stream epdv1.DecodeService_DecodeServer) error {
-	for index := 0; index < outputTokens; index++ {
+	// After a prefill, the decode goes on from the prefill's first token: the reply still has
+	// outputTokens in all.
+	for index := len(request.GetPrompt().GetContinuationTokenIds()); index < outputTokens; index++ {
 		finish := epdv1.FinishReason_FINISH_REASON_UNSPECIFIED
 		if index == outputTokens-1 {
 			finish = epdv1.FinishReason_FINISH_REASON_LENGTH
@@ -124,7 +126,7 @@ func (decode) Decode(request *epdv1.DecodeRequest, stream epdv1.DecodeService_De
 			TokenIds:         []uint32{uint32(100 + index)},
 			Text:             "x",
 			FinishReason:     finish,
-			PromptTokenCount: uint32(len(request.GetPrompt().GetTokenIds())),
+			PromptTokenCount: uint32(len(request.GetPrompt().GetTokenIds()) + len(request.GetPrompt().GetContinuationTokenIds())),
 		}
 		if err := stream.Send(message); err != nil {
 			return err

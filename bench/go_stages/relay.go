@@ -9,13 +9,15 @@ import (
 
 	epdv1 "github.com/epd-project/epd/sdk/go/epd/v1"
 	"google.golang.org/grpc"
+	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
 )
 
 // relay is the gateway's E/P/D data path and nothing else, compiled: the media to the encoder,
-// the chat (a marker per item) and the encoded items to the prefill, the token ids the prefill
-// rendered and the KV handoff to the decode, whose stream it relays message by message, then a
-// Finished with the usage and stage timings. One instance per stage; no validation beyond the
+// the chat (a marker per item) and the encoded items to the prefill, whose first token it sends
+// at once, then the token ids the prefill rendered, that first token after them and the KV
+// handoff to the decode, whose stream it relays message by message, then a Finished with the
+// usage and stage timings. One instance per stage; no validation beyond the
 // stages' own, no routing, retries, health, TLS, auth, spans or metrics. It is a measuring
 // instrument, not a gateway: what EPD's hops cost a compiled gRPC runtime, against stand-ins
 // (bench/gateway_overhead.py) and against real stages (the serving experiments' epd-go-relay
@@ -124,6 +126,29 @@ func (r *relay) Generate(request *epdv1.GenerateRequest, stream epdv1.GatewaySer
 		return err
 	}
 	timings.Prefill = durationpb.New(time.Since(started))
+	timings.TimeToFirstToken = durationpb.New(time.Since(start))
+	finished := &epdv1.GenerateFinished{
+		Usage:   &epdv1.Usage{PromptTokens: prefilled.GetPromptTokenCount(), CompletionTokens: 1, MultimodalTokens: multimodalTokens},
+		Timings: timings,
+	}
+	first := &epdv1.GenerateDelta{TokenIds: []uint32{prefilled.GetFirstTokenId()}, Text: prefilled.GetFirstTokenText()}
+	if err := stream.Send(&epdv1.GenerateResponse{Event: &epdv1.GenerateResponse_Delta{Delta: first}}); err != nil {
+		r.releaseKv(request.GetRequestId(), prefilled.GetKvHandoff())
+		return err
+	}
+	if reason := prefilled.GetFinishReason(); reason != epdv1.FinishReason_FINISH_REASON_UNSPECIFIED {
+		// The reply ended with its first token: no decode reads the KV.
+		r.releaseKv(request.GetRequestId(), prefilled.GetKvHandoff())
+		finished.FinishReason = reason
+		timings.Total = durationpb.New(time.Since(start))
+		return stream.Send(&epdv1.GenerateResponse{Event: &epdv1.GenerateResponse_Finished{Finished: finished}})
+	}
+	// The decode goes on after the first token, with what is left of the budget.
+	sampling := proto.Clone(request.GetSampling()).(*epdv1.SamplingParams)
+	sampling.MaxTokens--
+	if sampling.GetMinTokens() > 0 {
+		sampling.MinTokens = proto.Uint32(sampling.GetMinTokens() - 1)
+	}
 	metadataOnly := make([]*epdv1.EncodedItem, len(items))
 	for i, item := range items {
 		metadataOnly[i] = &epdv1.EncodedItem{Metadata: item.GetMetadata(), ForwardedMedia: item.GetForwardedMedia()}
@@ -131,16 +156,15 @@ func (r *relay) Generate(request *epdv1.GenerateRequest, stream epdv1.GatewaySer
 	started = time.Now()
 	decoding, err := r.decode.Decode(ctx, &epdv1.DecodeRequest{
 		RequestId: request.GetRequestId(),
-		Prompt:    &epdv1.EnginePrompt{TokenIds: prefilled.GetPromptTokenIds()},
+		Prompt:    &epdv1.EnginePrompt{TokenIds: prefilled.GetPromptTokenIds(), ContinuationTokenIds: first.TokenIds},
 		Items:     metadataOnly,
-		Sampling:  request.GetSampling(),
+		Sampling:  sampling,
 		KvHandoff: prefilled.GetKvHandoff(),
 	})
 	if err != nil {
 		r.releaseKv(request.GetRequestId(), prefilled.GetKvHandoff())
 		return err
 	}
-	finished := &epdv1.GenerateFinished{Usage: &epdv1.Usage{MultimodalTokens: multimodalTokens}, Timings: timings}
 	answered := false
 	for {
 		message, err := decoding.Recv()
@@ -154,11 +178,7 @@ func (r *relay) Generate(request *epdv1.GenerateRequest, stream epdv1.GatewaySer
 			return err
 		}
 		answered = true
-		finished.Usage.PromptTokens = message.GetPromptTokenCount()
 		if len(message.GetTokenIds()) > 0 {
-			if timings.TimeToFirstToken == nil {
-				timings.TimeToFirstToken = durationpb.New(time.Since(start))
-			}
 			finished.Usage.CompletionTokens += uint32(len(message.GetTokenIds()))
 			delta := &epdv1.GenerateDelta{TokenIds: message.GetTokenIds(), Text: message.GetText()}
 			if err := stream.Send(&epdv1.GenerateResponse{Event: &epdv1.GenerateResponse_Delta{Delta: delta}}); err != nil {

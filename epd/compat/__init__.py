@@ -5,6 +5,7 @@ def install_vllm_fixes() -> None:
     """vLLM 0.32's omissions EPD fixes (each module says which, and when to remove it). Call it
     before an engine is built, in every process that builds or drives one."""
     from epd.compat import (
+        vllm_continued_detokenizer,
         vllm_cpu_thread_warning,
         vllm_gemma3,
         vllm_glm4v,
@@ -29,3 +30,4 @@ def install_vllm_fixes() -> None:
     vllm_tower_caches.install()
     vllm_targeted_lm_names.install()
     vllm_cpu_thread_warning.install()
+    vllm_continued_detokenizer.install()

@@ -1,0 +1,45 @@
+"""Detokenizes a reply continued after tokens its prompt ends with exactly as the reply would have
+been detokenized uninterrupted.
+
+EPD's engines run prompts that end with tokens of the reply: a decode after its prefill's first
+token, and any stage of a request resumed after some of its reply was streamed. vLLM 0.32 primes a
+request's detokenizer with its whole prompt (``FastIncrementalDetokenizer``: tokenizers'
+``DecodeStream(ids=prompt)``). A byte-level tokenizer's token can be part of a character, and
+when the primed ids decode to text that ends with an incomplete one ("\ufffd"), DecodeStream
+keeps no prefix, so its next step returns the whole prompt's text with the new token's: a Qwen
+reply whose first token was such a part came back from E/P/D with its system prompt in front.
+
+A request whose sampling ``extra_args[CONTINUED]`` is N gets a detokenizer primed with the prompt
+before its last N tokens, which then steps through them as the uninterrupted reply's did (their
+text is not output again): its state, and so every later token's text, is that reply's. Stop
+strings still see only the text generated after them. Remove this once vLLM primes a
+detokenizer so that a prompt ending mid-character leaves it able to go on (then the text of a
+continued reply may still differ at the seam, so check ``tests/test_models.py``'s text
+assertions first).
+"""
+
+from __future__ import annotations
+
+import functools
+
+CONTINUED = "epd_reply_tokens_in_prompt"
+
+
+@functools.cache
+def install() -> None:
+    import msgspec
+    from vllm.v1.engine.detokenizer import IncrementalDetokenizer
+
+    from_new_request = IncrementalDetokenizer.from_new_request.__func__
+
+    def continuing(cls, tokenizer, request):
+        continued = int((request.sampling_params.extra_args or {}).get(CONTINUED, 0))
+        if tokenizer is None or not continued or request.prompt_token_ids is None:
+            return from_new_request(cls, tokenizer, request)
+        before = msgspec.structs.replace(request, prompt_token_ids=request.prompt_token_ids[:-continued])
+        detokenizer = from_new_request(cls, tokenizer, before)
+        for token_id in request.prompt_token_ids[-continued:]:
+            detokenizer.decode_next(token_id)
+        return detokenizer
+
+    IncrementalDetokenizer.from_new_request = classmethod(continuing)
