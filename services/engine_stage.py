@@ -98,6 +98,11 @@ class EngineStage:
         # The engine ran one token of the reply, so it reports LENGTH unless that token stopped
         # it; LENGTH ends the reply only when one token was all it had left.
         ends_reply = last.finish_reason is FinishReason.STOP or request.sampling.max_tokens == 1
+        if not ends_reply and request.sampling.stop:
+            # Its engine, finished, output all its text; the reply's stream shows it as vLLM's
+            # would at this point, the last characters held back until no stop string can start
+            # in them (the decode outputs them: epd.compat.vllm_continued_detokenizer).
+            text = text[: max(0, len(text) - (max(map(len, request.sampling.stop)) - 1))]
         return PrefillResult(
             first_token_ids[0],
             text,

@@ -157,6 +157,30 @@ async def test_greedy_tokens_match_monolithic(family_stack, family, mode, case):
     assert 0 < timings.time_to_first_token.ToNanoseconds() <= timings.total.ToNanoseconds()
 
 
+@pytest.mark.parametrize("mode", DISAGGREGATED_MODES)
+async def test_stop_strings_end_the_reply_and_its_text_as_monolithic(family_stack, mode):
+    """In E/P/D the first token is the prefill's and the rest the decode's. A stop string that
+    spans the two (the last character of the first token's text and the first of the second's)
+    still ends the reply where the monolithic engine ends it, and one that never matches still
+    leaves its text whole: vLLM holds back the last characters of a reply with stop strings
+    until no stop string can start in them, and the decode outputs what the prefill held back."""
+    mono = family_stack.gateway_stub("monolithic")
+    parts = CASES["one_image"]()
+    deltas = []
+    await generate(mono, chat_request(parts, max_tokens=8, min_tokens=8), on_delta=deltas.append, timeout=120)
+    first, second = deltas[0], deltas[1]
+    assert len(first.token_ids) == len(second.token_ids) == 1 and first.text and second.text, "the case needs two tokens with text"
+    across = first.text[-1] + second.text[0]
+    assert across not in first.text
+    for stop, tokens in ((across, 2), ("a stop string never met", 8)):
+        request = chat_request(parts, max_tokens=8, min_tokens=0 if tokens == 2 else 8)
+        request.sampling.stop.append(stop)
+        oracle = await generate(mono, request, timeout=120)
+        assert len(oracle.token_ids) == tokens, stop
+        result = await generate(family_stack.gateway_stub(mode), request, timeout=120)
+        assert (result.token_ids, result.text, result.finished.finish_reason) == (oracle.token_ids, oracle.text, oracle.finished.finish_reason), stop
+
+
 async def test_eight_concurrent_streams_match_monolithic(family_stack):
     """Half through E/P/D and half through E+PD at once: the one decode instance behind both
     gateways decodes from KV handoffs and prefills whole requests in the same engine steps."""
