@@ -34,6 +34,7 @@ from collections import defaultdict
 from collections.abc import AsyncIterator
 
 from epd import wire
+from epd.compat.vllm_continued_detokenizer import shown_while_streaming
 from epd.domain import EncodedItem, EngineRequest, FinishReason, InlineEmbedding, KvHandoff
 from epd.engine import Engine, EngineRole, EngineStep, RenderedPrompt, kv_params_for_decode, kv_params_for_prefill
 from epd.errors import Aborted, FailedPrecondition, FieldViolation, InvalidArgument, Unavailable
@@ -98,11 +99,10 @@ class EngineStage:
         # The engine ran one token of the reply, so it reports LENGTH unless that token stopped
         # it; LENGTH ends the reply only when one token was all it had left.
         ends_reply = last.finish_reason is FinishReason.STOP or request.sampling.max_tokens == 1
-        if not ends_reply and request.sampling.stop:
+        if not ends_reply:
             # Its engine, finished, output all its text; the reply's stream shows it as vLLM's
-            # would at this point, the last characters held back until no stop string can start
-            # in them (the decode outputs them: epd.compat.vllm_continued_detokenizer).
-            text = text[: max(0, len(text) - (max(map(len, request.sampling.stop)) - 1))]
+            # would at this point (the decode outputs what is held back).
+            text = shown_while_streaming(text, request.sampling.stop)
         return PrefillResult(
             first_token_ids[0],
             text,

@@ -157,8 +157,9 @@ async def test_greedy_tokens_match_monolithic(family_stack, family, mode, case):
     assert 0 < timings.time_to_first_token.ToNanoseconds() <= timings.total.ToNanoseconds()
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_vl", stack_key("qwen2_5_omni", BF16)])
 @pytest.mark.parametrize("mode", DISAGGREGATED_MODES)
-async def test_stop_strings_end_the_reply_and_its_text_as_monolithic(family_stack, mode):
+async def test_stop_strings_end_the_reply_and_its_text_as_monolithic(family_stack, family, mode):
     """In E/P/D the first token is the prefill's and the rest the decode's. A stop string that
     spans the two (the last character of the first token's text and the first of the second's)
     still ends the reply where the monolithic engine ends it, and one that never matches still

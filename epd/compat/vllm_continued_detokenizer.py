@@ -14,8 +14,8 @@ before its last N tokens, which then steps through them as the uninterrupted rep
 state, and so every later token's text, is that reply's. Their text is its output text too, so
 a stop string that spans the seam is found as in the uninterrupted reply, and the part of it
 that reply's stream had not shown yet (vLLM holds back the last characters of a reply that has
-stop strings, as many as the longest but one; ``services.engine_stage`` holds back a prefill's
-first token's text alike) is output first. Remove this once vLLM has a way to continue a reply
+stop strings, as many as the longest but one; :func:`shown_while_streaming` is that rule, by
+which a prefill holds back its first token's text alike) is output first. Remove this once vLLM has a way to continue a reply
 (then check ``tests/test_models.py``'s text assertions and ``tests/test_equivalence.py``'s
 stop strings).
 """
@@ -25,6 +25,13 @@ from __future__ import annotations
 import functools
 
 CONTINUED = "epd_reply_tokens_in_prompt"
+
+
+def shown_while_streaming(text: str, stop: tuple[str, ...]) -> str:
+    """What vLLM's stream of an unfinished reply shows of ``text``, its output so far: all but
+    the last characters a stop string could start in (``stop_buffer_length``)."""
+    held = max(map(len, stop), default=1) - 1
+    return text[: max(0, len(text) - held)]
 
 
 @functools.cache
