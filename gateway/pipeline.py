@@ -263,15 +263,15 @@ class DisaggregatedPipeline:
                     await asyncio.shield(self.decodes.release_kv(request.request_id, handoff, avoid))
                     yield clock.finished(prefilled.finish_reason)
                     return
-                # The decode runs the very token ids whose KV the prefill left (the reply's so
-                # far among them), then goes on from the first token.
+                # The decode runs the very token ids whose KV the prefill left, the reply's so far
+                # after them, then goes on from the first token.
                 continued += 1
                 engine_request = dataclasses.replace(
                     engine_request,
                     prompt_token_ids=prefilled.prompt_token_ids,
                     chat=(),
-                    continuation=(prefilled.first_token_id,),
-                    sampling=request.sampling.after(len(request.continuation) + 1),
+                    continuation=(*request.continuation, prefilled.first_token_id),
+                    sampling=request.sampling.after(continued),
                     kv_handoff=handoff,
                 )
             clock.decoding()

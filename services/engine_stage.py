@@ -58,7 +58,7 @@ class PrefillResult:
     first_token_text: str
     finish_reason: FinishReason | None  # set when the reply ends with the first token
     kv_handoff: KvHandoff
-    prompt_token_ids: tuple[int, ...]  # as rendered (continuation included), placeholders unexpanded: what its decode runs
+    prompt_token_ids: tuple[int, ...]  # as rendered, placeholders unexpanded, before the continuation: what its decode runs
     prompt_token_count: int  # expanded
     engine_s: float
 
@@ -77,8 +77,8 @@ class EngineStage:
         """Prefills and leaves the KV for a decode engine, which continues after the first
         token (sampled here, from the prompt's last position, as a monolithic engine does)."""
         self._check_role(request)
-        token_ids = await self._token_ids(request)
-        prompt = await self._prompt(request, token_ids)
+        rendered = await self._rendered(request)
+        prompt = await self._prompt(request, rendered + request.continuation)
         started = time.perf_counter()
         last: EngineStep | None = None
         first_token_ids, text = [], ""
@@ -108,7 +108,7 @@ class EngineStage:
             text,
             last.finish_reason if ends_reply else None,
             self.handoff_seal.sealed(last.kv_handoff),
-            token_ids,
+            rendered,
             last.prompt_token_count,
             time.perf_counter() - started,
         )
@@ -127,10 +127,10 @@ class EngineStage:
         if request.kv_handoff is not None:
             self.handoff_seal.check(request.kv_handoff)
             await _check_resolvable(request.kv_handoff)
-        prompt = await self._prompt(request, await self._token_ids(request))
+        prompt = await self._prompt(request, await self._rendered(request) + request.continuation)
         kv_params = None
         if request.kv_handoff is not None:
-            _check_handoff_fits(request.kv_handoff, prompt, len(request.continuation), self.engine.kv_block_size, self.engine.tensor_parallel_size)
+            _check_handoff_fits(request.kv_handoff, prompt, bool(request.continuation), self.engine.kv_block_size, self.engine.tensor_parallel_size)
             _check_lease_left(request.kv_handoff)
             if not self._used_handoffs.first_use(request.kv_handoff):
                 raise FailedPrecondition(
@@ -163,10 +163,6 @@ class EngineStage:
             if not request.prompt_token_ids:
                 # Rendered again here, a chat could come out other than the KV's tokens.
                 raise InvalidArgument.for_field("prompt.token_ids", "is required with a kv_handoff: the prompt_token_ids its prefill returned")
-            if len(request.continuation) > 1:
-                raise InvalidArgument.for_field(
-                    "prompt.continuation_token_ids", "holds at most the prefill's first token with a kv_handoff: its prefill's prompt_token_ids hold the rest"
-                )
             return  # the KV holds the embeddings; handles are ignored
         violations = []
         for index, item in enumerate(request.items):
@@ -187,11 +183,9 @@ class EngineStage:
             }
         )
 
-    async def _token_ids(self, request: EngineRequest) -> tuple[int, ...]:
-        """The prompt's token ids, the chat rendered here if it came as one, then the reply's
-        tokens so far (a resumed request)."""
-        rendered = request.prompt_token_ids or tuple(await self.renderer.render_on_loop(request.chat, "prompt.chat"))
-        return rendered + request.continuation
+    async def _rendered(self, request: EngineRequest) -> tuple[int, ...]:
+        """The prompt's token ids before its continuation: the chat rendered here if it came as one."""
+        return request.prompt_token_ids or tuple(await self.renderer.render_on_loop(request.chat, "prompt.chat"))
 
     async def _prompt(self, request: EngineRequest, token_ids: tuple[int, ...]) -> RenderedPrompt:
         """vLLM's prompt for the request, rendered, with its layout checked against the encoder's."""
@@ -296,15 +290,17 @@ class UsedHandoffs:
         return True
 
 
-def _check_handoff_fits(handoff: KvHandoff, prompt: RenderedPrompt, continued: int, block_size: int, tp_size: int) -> None:
-    """A prefill hands out the blocks of the prompt it computed, which is this one up to the
-    ``continued`` tokens after it (its first token): no group can hold more blocks than that
-    fills, nor more tokens. More blocks would make vLLM read blocks past the request's own
+def _check_handoff_fits(handoff: KvHandoff, prompt: RenderedPrompt, continuing: bool, block_size: int, tp_size: int) -> None:
+    """A prefill hands out the KV of the prompt it computed (``remote_num_tokens`` tokens), which
+    is this one up to the prefill's first token, the last of a ``continuing`` prompt's
+    continuation: the one token past the KV, which the decode computes. A prompt that runs on
+    further, or ends sooner, is not the one the prefill computed. No group can hold more blocks
+    than the prompt's tokens fill: more would make vLLM read blocks past the request's own
     (another request's KV), which it cannot tell; fewer, or a group the engine has no room for,
     fail in vLLM's worker, and fail only this request there
     (``epd.transport.connector.kv_connector``). EPD runs every engine at one tensor-parallel
     size (it configures none), so a prefill's is this decode's."""
-    tokens = len(prompt.engine_input["prompt_token_ids"]) - continued
+    tokens = len(prompt.engine_input["prompt_token_ids"]) - int(continuing)
     most_blocks = -(-tokens // block_size)
     violations = [
         FieldViolation(f"kv_handoff.remote_block_groups[{index}].block_ids", f"holds {len(group)} blocks; the prompt's {tokens} tokens fill {most_blocks}")
@@ -314,7 +310,12 @@ def _check_handoff_fits(handoff: KvHandoff, prompt: RenderedPrompt, continued: i
     if handoff.tp_size != tp_size:
         violations.append(FieldViolation("kv_handoff.tp_size", f"is {handoff.tp_size}; EPD's prefills run at this decode's tensor-parallel size, {tp_size}"))
     if handoff.remote_num_tokens > tokens:
-        violations.append(FieldViolation("kv_handoff.remote_num_tokens", f"is {handoff.remote_num_tokens}; the prompt has {tokens} tokens"))
+        violations.append(FieldViolation("kv_handoff.remote_num_tokens", f"is {handoff.remote_num_tokens}; the prompt has {tokens} tokens before the prefill's first"))
+    elif 0 < handoff.remote_num_tokens < tokens:
+        # Tokens the prefill never computed, between its KV and its first token. (0: not stated,
+        # as vLLM's prefills before it did; vLLM then loads all but the prompt's last token.)
+        field = "prompt.continuation_token_ids" if continuing else "prompt.token_ids"
+        violations.append(FieldViolation(field, f"hold {tokens - handoff.remote_num_tokens} tokens past the KV's {handoff.remote_num_tokens} before the prefill's first token"))
     if violations:
         raise InvalidArgument("kv_handoff does not fit the prompt: " + "; ".join(f"{v.field} {v.description}" for v in violations), violations)
 

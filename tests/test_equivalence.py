@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from transformers import AutoTokenizer
 
 from devkit.checkpoints import AUDIO_FAMILIES, FAMILIES, MODALITIES, NON_QWEN_FAMILIES
 from devkit.media import noise_flac, sine_wav, synthetic_image_png, synthetic_video
@@ -180,6 +181,31 @@ async def test_stop_strings_end_the_reply_and_its_text_as_monolithic(family_stac
         assert len(oracle.token_ids) == tokens, stop
         result = await generate(family_stack.gateway_stub(mode), request, timeout=120)
         assert (result.token_ids, result.text, result.finished.finish_reason) == (oracle.token_ids, oracle.text, oracle.finished.finish_reason), stop
+
+
+@pytest.mark.parametrize("mode", DISAGGREGATED_MODES)
+async def test_a_reply_continued_inside_a_character_goes_on_as_monolithic(family_stack, mode):
+    """A resume can break a reply off inside a character: a byte-level tokenizer spells a rare
+    one over several tokens. Continued there (as the gateway resumes a stream, and as a client
+    may), the reply goes on with the monolithic tokens and text. An E/P/D decode whose
+    detokenizer started from the continuation's middle once replied with the whole prompt's text
+    in front, when the character went on past the prefill's first token."""
+    mono = family_stack.gateway_stub("monolithic")
+    request = chat_request(CASES["one_image"](), max_tokens=48, min_tokens=48)
+    reply = (await generate(mono, request, timeout=120)).token_ids
+    tokenizer = AutoTokenizer.from_pretrained(family_stack.model)
+
+    def inside_a_character(tokens: list[int]) -> bool:
+        return tokenizer.decode(tokens).endswith("\N{REPLACEMENT CHARACTER}")
+
+    cut = next((k for k in range(1, len(reply) - 1) if inside_a_character(reply[:k]) and inside_a_character(reply[: k + 1])), None)
+    assert cut is not None, "the case needs a character of three tokens or more in its reply"
+    request.continuation_token_ids.extend(reply[:cut])
+    oracle = await generate(mono, request, timeout=120)
+    assert oracle.token_ids == reply[cut:]
+    result = await generate(family_stack.gateway_stub(mode), request, timeout=120)
+    assert (result.token_ids, result.text) == (oracle.token_ids, oracle.text)
+    assert result.finished.usage == oracle.finished.usage
 
 
 async def test_eight_concurrent_streams_match_monolithic(family_stack):

@@ -285,6 +285,7 @@ class _FirstDecodeFails:
     def __init__(self, error: Exception) -> None:
         self.error = error
         self.prefills: list[frozenset[str]] = []  # what each prefill call was told to avoid
+        self.continued: tuple[int, ...] = ()  # the last prefill's continuation
         self.released: list[KvHandoff] = []
         self.pool = self
 
@@ -294,13 +295,14 @@ class _FirstDecodeFails:
     async def prefill(self, request, deadline, avoid) -> Prefilled:
         assert request.chat and not request.prompt_token_ids  # the prefill renders the chat
         self.prefills.append(avoid)
+        self.continued = request.continuation
         number = len(self.prefills)
         handoff = KvHandoff(f"prefill-{number}", ((1,),), "127.0.0.1", 5600, "r", 3, 1)
         return Prefilled(4 + number, "x", None, handoff, (1, 2, 3), 3, f"prefill-{number}:1")
 
     async def decode(self, request, deadline, avoid):
         assert request.prompt_token_ids == (1, 2, 3) and not request.chat  # the ids the prefill rendered
-        assert request.continuation == (4 + len(self.prefills),)  # then that prefill's first token
+        assert request.continuation == (*self.continued, 4 + len(self.prefills))  # then the reply so far and that prefill's first token
         if request.kv_handoff.remote_engine_id == "prefill-1":
             raise self.error
         yield DecodeStep([7, 8], "ab", 3)
