@@ -237,6 +237,18 @@ async def test_call_queue_joins_calls_in_order_within_the_prompt_limits():
     assert [call.request_id for call in queue.take_batch()] == ["r20"]
 
 
+def test_an_encoders_engine_requests_join_no_calls_of_audio():
+    """An encoder's engine request carries up to four calls' worth of images or video, and one
+    call's worth of audio (epd.engine.ENCODER_CALLS_PER_REQUEST, measured in bench/); other
+    engines take one prompt's limit."""
+    from epd.engine import EngineConfig, EngineRole
+
+    config = EngineConfig("model", EngineRole.ENCODER, max_images_per_prompt=8, max_videos_per_prompt=2, max_audios_per_prompt=3)
+    assert config.engine_mm_per_prompt == {"image": 32, "video": 8, "audio": 3}
+    for role in set(EngineRole) - {EngineRole.ENCODER}:
+        assert EngineConfig("model", role).engine_mm_per_prompt == EngineConfig("model", role).mm_per_prompt == {"image": 8, "video": 2, "audio": 4}
+
+
 async def test_more_items_than_one_prompt_takes_are_refused_naming_the_limit(family_stack):
     """The encoder's engine takes several calls' items in one request, so a call's own limit
     (--max-images-per-prompt, 8 by default) is the encoder's to check."""

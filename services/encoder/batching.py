@@ -16,7 +16,9 @@ The rules, kept here so they can be read (and unit-tested) apart from the engine
 - a call joins the oldest waiting calls in arrival order, and the first call that does not fit
   closes the batch, so no call is overtaken;
 - a batch holds at most the engine's per-prompt limit of each modality (vLLM's processor refuses
-  more; an encoder's engine takes ``epd.engine.ENCODER_CALLS_PER_REQUEST`` calls' worth), no content hash twice across its calls (each call gets leases of its own), and no more
+  more; an encoder's engine takes ``epd.engine.ENCODER_CALLS_PER_REQUEST`` calls' worth of each,
+  four of images or video, one of audio), no content hash twice across its calls (each call gets
+  leases of its own), and no more
   prompt tokens than the engine's context, as far as the largest item of each modality seen so far
   predicts;
 - at most ``batches_in_flight`` batches are in vLLM at once: under light load every call goes at
