@@ -309,13 +309,14 @@ def _check_handoff_fits(handoff: KvHandoff, prompt: RenderedPrompt, continuing: 
     ]
     if handoff.tp_size != tp_size:
         violations.append(FieldViolation("kv_handoff.tp_size", f"is {handoff.tp_size}; EPD's prefills run at this decode's tensor-parallel size, {tp_size}"))
+    before = " before the prefill's first token" if continuing else ""
     if handoff.remote_num_tokens > tokens:
-        violations.append(FieldViolation("kv_handoff.remote_num_tokens", f"is {handoff.remote_num_tokens}; the prompt has {tokens} tokens before the prefill's first"))
+        violations.append(FieldViolation("kv_handoff.remote_num_tokens", f"is {handoff.remote_num_tokens}; the prompt has {tokens} tokens{before}"))
     elif 0 < handoff.remote_num_tokens < tokens:
         # Tokens the prefill never computed, between its KV and its first token. (0: not stated,
         # as vLLM's prefills before it did; vLLM then loads all but the prompt's last token.)
         field = "prompt.continuation_token_ids" if continuing else "prompt.token_ids"
-        violations.append(FieldViolation(field, f"hold {tokens - handoff.remote_num_tokens} tokens past the KV's {handoff.remote_num_tokens} before the prefill's first token"))
+        violations.append(FieldViolation(field, f"hold {tokens - handoff.remote_num_tokens} tokens past the KV's {handoff.remote_num_tokens}{before}"))
     if violations:
         raise InvalidArgument("kv_handoff does not fit the prompt: " + "; ".join(f"{v.field} {v.description}" for v in violations), violations)
 

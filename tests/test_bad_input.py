@@ -313,9 +313,10 @@ async def test_a_real_prefills_handoff_altered_fails_only_its_own_request(family
 
 async def test_a_handoff_continues_after_at_most_the_prefills_first_token(family_stack):
     """A decode given a KV handoff continues after the prefill's first token, which it computes
-    itself; more tokens after the KV than that one the prefill never computed, so the decode
-    refuses them (INVALID_ARGUMENT naming the field) with its engine unharmed, and then decodes
-    the genuine request, its first token given, into the monolithic reply."""
+    itself; more tokens after the KV (the handoff's ``remote_num_tokens``) than that one the
+    prefill never computed, so the decode refuses them (INVALID_ARGUMENT naming the field) with
+    its engine unharmed, and then decodes the genuine request, its first token given, into the
+    monolithic reply."""
     parts = [(synthetic_image_png(100, 84, seed=81), "image/png"), "Describe it."]
     oracle = await generate(family_stack.gateway_stub("monolithic"), chat_request(parts, max_tokens=4), timeout=120)
     prefill, response = await prefill_directly(family_stack, parts)
