@@ -11,6 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import multiprocessing
+import os
 import socket
 import time
 import uuid
@@ -873,3 +874,17 @@ def test_a_claim_given_up_on_frees_its_leases_whichever_side_comes_first():
     # Exact keys by default (the encoder service's release keys).
     keys = ClaimLedger()
     assert keys.granted("k", ["lease-f"]) and keys.give_up("k-") == [] and keys.give_up("k") == ["lease-f"]
+
+
+def test_ucx_starts_without_memory_hooks_unless_the_operator_asks(monkeypatch):
+    """epd.transport.wire.agent.configure_ucx: NIXL hands UCX every buffer's registration, so
+    UCX's memory hooks (0.4 s of every engine's start) are off by default; an operator's own
+    UCX_MEM_EVENTS is kept."""
+    from epd.transport.wire.agent import configure_ucx
+
+    monkeypatch.delenv("UCX_MEM_EVENTS", raising=False)
+    configure_ucx("127.0.0.1")
+    assert os.environ["UCX_MEM_EVENTS"] == "no"
+    monkeypatch.setenv("UCX_MEM_EVENTS", "yes")
+    configure_ucx("127.0.0.1")
+    assert os.environ["UCX_MEM_EVENTS"] == "yes"
