@@ -75,10 +75,10 @@ def test_quick_run_writes_the_documented_schema(quick_result: tuple[pathlib.Path
     assert set(doc["first_contact_ms"]) == {"ec_consumer", "nixl_reader", "raw_read", "grpc_inline"}
     assert all(positive(v) for v in doc["first_contact_ms"].values())
     ratios = doc["ratios"]
-    assert set(ratios) == {"ec_consumer_over_memcpy", "raw_read_over_memcpy", "ec_consumer_over_memcpy_fresh", "ec_consumer_over_grpc_inline_at_1MiB"}
-    assert all(set(ratios[key]) == {str(handoff.MIB)} and positive(ratios[key][str(handoff.MIB)]) for key in ratios if key.endswith("memcpy") or key.endswith("fresh"))
+    assert set(ratios) == {"ec_consumer_over_memcpy", "raw_read_over_memcpy", "ec_consumer_over_memcpy_fresh", "ec_consumer_over_raw_read", "ec_consumer_over_grpc_inline_at_1MiB"}
+    assert all(set(ratios[key]) == {str(handoff.MIB)} and positive(ratios[key][str(handoff.MIB)]) for key in ratios if not key.endswith("1MiB"))
     assert positive(ratios["ec_consumer_over_grpc_inline_at_1MiB"])
-    assert [set(goal) for goal in doc["goals"]] == [{"goal", "value", "target", "met"}] * 2
+    assert [set(goal) for goal in doc["goals"]] == [{"goal", "value", "target", "met"}] * 4
     assert set(doc["fixed_cost_us"]) == {str(size) for size in handoff.QUICK_SIZES}
 
 
@@ -103,17 +103,21 @@ def test_quick_run_renders_in_the_report(quick_result: tuple[pathlib.Path, dict[
     assert "## Embedding handoff" in text and "Command: `test`" in text and "| ec_consumer | 1 MiB |" in text and "Goals:" in text
 
 
-def test_goals_compare_the_consumer_path_with_memcpy_and_grpc() -> None:
+def test_goals_compare_the_consumer_path_with_memcpy_grpc_and_a_raw_read() -> None:
     def row(method: str, nbytes: int, median_us: float) -> dict[str, Any]:
         return {"method": method, "bytes": nbytes, "latency_us": {"median": median_us}}
 
     mib = handoff.MIB
     results = [row("ec_consumer", mib, 100.0), row("raw_read", mib, 80.0), row("nixl_reader", mib, 90.0), row("memcpy", mib, 60.0), row("memcpy_fresh", mib, 70.0)]
     results += [row("grpc_inline", mib, 1500.0), row("ec_consumer", 4 * mib, 400.0), row("memcpy", 4 * mib, 100.0), row("raw_read", 4 * mib, 300.0)]
+    kib = mib // 1024
+    results += [row("ec_consumer", kib, 60.0), row("raw_read", kib, 40.0), row("ec_consumer", 64 * kib, 64.0), row("raw_read", 64 * kib, 40.0)]
     analysis = handoff.analyze(results)
-    memcpy_goal, grpc_goal = analysis["goals"]
+    memcpy_goal, grpc_goal, raw_goal, fixed_goal = analysis["goals"]
     assert memcpy_goal["value"] == pytest.approx(0.25) and not memcpy_goal["met"]  # the worst size >= 1 MiB decides
     assert grpc_goal["value"] == pytest.approx(15.0) and grpc_goal["met"]
+    assert raw_goal["value"] == pytest.approx(0.75) and not raw_goal["met"]  # 300 / 400 µs at 4 MiB; 80 / 100 at 1 MiB
+    assert fixed_goal["value"] == pytest.approx(24.0) and fixed_goal["met"]  # the worst size <= 64 KiB; 1 MiB's 20 µs is not held to it
     assert analysis["fixed_cost_us"][str(mib)] == {"ec_consumer_minus_raw_read_us": 20.0, "nixl_reader_minus_raw_read_us": 10.0}
 
 

@@ -24,12 +24,15 @@ from bench.handoff.payload import (
     BATCHES,
     FULL_ITERATIONS,
     FULL_SIZES,
+    GOAL_FIXED_COST_US,
     GOAL_GRPC_SPEEDUP,
     GOAL_MEMCPY_FRACTION,
+    GOAL_RAW_READ_FRACTION,
     METHODS,
     QUICK_ITERATIONS,
     QUICK_SIZES,
     REFERENCE_BYTES,
+    SMALL_BYTES,
 )
 from epd.server import MAX_MESSAGE_BYTES
 from epd.transport.memory.slot_header import HEADER_BYTES
@@ -49,8 +52,10 @@ def analyze(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
     over_memcpy = {str(n): _median_at(results, "memcpy", n) / _median_at(results, "ec_consumer", n) for n in large}
     raw_over_memcpy = {str(n): _median_at(results, "memcpy", n) / _median_at(results, "raw_read", n) for n in large}
     over_fresh = {str(n): _median_at(results, "memcpy_fresh", n) / _median_at(results, "ec_consumer", n) for n in large}
+    over_raw = {str(n): _median_at(results, "raw_read", n) / _median_at(results, "ec_consumer", n) for n in large}
     over_grpc = _median_at(results, "grpc_inline", REFERENCE_BYTES) / _median_at(results, "ec_consumer", REFERENCE_BYTES)
     worst = min(over_memcpy.values(), default=math.nan)
+    worst_over_raw = min(over_raw.values(), default=math.nan)
     overhead = {
         str(n): {
             "ec_consumer_minus_raw_read_us": _median_at(results, "ec_consumer", n) - _median_at(results, "raw_read", n),
@@ -58,11 +63,13 @@ def analyze(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
         }
         for n in sizes
     }
+    worst_fixed = max((c["ec_consumer_minus_raw_read_us"] for n, c in overhead.items() if int(n) <= SMALL_BYTES), default=math.nan)
     return {
         "ratios": {
             "ec_consumer_over_memcpy": over_memcpy,
             "raw_read_over_memcpy": raw_over_memcpy,
             "ec_consumer_over_memcpy_fresh": over_fresh,
+            "ec_consumer_over_raw_read": over_raw,
             "ec_consumer_over_grpc_inline_at_1MiB": over_grpc,
         },
         "goals": [
@@ -77,6 +84,18 @@ def analyze(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 "value": over_grpc,
                 "target": GOAL_GRPC_SPEEDUP,
                 "met": bool(over_grpc >= GOAL_GRPC_SPEEDUP),
+            },
+            {
+                "goal": f"ec_consumer throughput >= {GOAL_RAW_READ_FRACTION:g}x a raw READ's at every size >= 1 MiB (worst size)",
+                "value": worst_over_raw,
+                "target": GOAL_RAW_READ_FRACTION,
+                "met": bool(worst_over_raw >= GOAL_RAW_READ_FRACTION),
+            },
+            {
+                "goal": f"ec_consumer's fixed cost over a raw READ <= {GOAL_FIXED_COST_US:g} µs at every size <= {_size_label(SMALL_BYTES)} (worst size, µs)",
+                "value": worst_fixed,
+                "target": GOAL_FIXED_COST_US,
+                "met": bool(worst_fixed <= GOAL_FIXED_COST_US),
             },
         ],
         "fixed_cost_us": overhead,
@@ -206,13 +225,14 @@ def report(doc: dict) -> list[str]:
     for r in doc["results"]:
         lines.append(f"| {r['method']} | {size(r['bytes'])} | {fmt(r['latency_us']['median'], 1)} | {fmt(r['latency_us']['p99'], 1)} | {fmt(r['gb_per_s'], 3)} | {r['latency_us']['count']} |")
     lines += ["", "Goals:", ""]
-    lines += [f"- {g['goal']}: ×{fmt(g['value'], 3)} ({'met' if g['met'] else 'NOT met'})" for g in doc["goals"]]
+    lines += [f"- {g['goal']}: {'' if g['goal'].endswith('µs)') else '×'}{fmt(g['value'], 3)} ({'met' if g['met'] else 'NOT met'})" for g in doc["goals"]]
     lines += ["", "Throughput ratios and fixed cost:", ""]
     ratios = doc["ratios"]
     for key, label in (
         ("ec_consumer_over_memcpy", "ec_consumer throughput over memcpy's"),
         ("ec_consumer_over_memcpy_fresh", "ec_consumer over memcpy_fresh"),
         ("raw_read_over_memcpy", "raw_read over memcpy (what NIXL itself reaches)"),
+        ("ec_consumer_over_raw_read", "ec_consumer throughput over raw_read's (what EPD adds to NIXL)"),
     ):
         lines.append(f"- {label}: " + ", ".join(f"{size(int(n))} ×{fmt(v, 3)}" for n, v in ratios[key].items()))
     lines.append(

@@ -24,6 +24,10 @@ BATCHED_METHODS = ("ec_consumer", "raw_read", "grpc_inline")
 # What the project needs of its path (see DESIGN.md, performance facts).
 GOAL_MEMCPY_FRACTION = 0.5  # ec_consumer throughput over memcpy's, at every size >= 1 MiB
 GOAL_GRPC_SPEEDUP = 10.0  # ec_consumer over inline gRPC at 1 MiB
+# What our code adds on top of NIXL, which any host shows (issue 32).
+GOAL_RAW_READ_FRACTION = 0.85  # ec_consumer throughput over a raw READ's, at every size >= 1 MiB
+GOAL_FIXED_COST_US = 25.0  # ec_consumer's median over a raw READ's, at every size <= SMALL_BYTES
+SMALL_BYTES = 64 * KIB
 
 _DTYPE = "float32"
 _ROW_FLOATS = 1024  # rows of 4 KiB, like a 1024-wide fp32 encoder output
