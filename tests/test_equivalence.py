@@ -183,8 +183,9 @@ async def test_stop_strings_end_the_reply_and_its_text_as_monolithic(family_stac
         assert (result.token_ids, result.text, result.finished.finish_reason) == (oracle.token_ids, oracle.text, oracle.finished.finish_reason), stop
 
 
+@pytest.mark.parametrize("family", ["qwen2_5_vl", stack_key("qwen2_5_omni", BF16)])
 @pytest.mark.parametrize("mode", DISAGGREGATED_MODES)
-async def test_a_reply_continued_inside_a_character_goes_on_as_monolithic(family_stack, mode):
+async def test_a_reply_continued_inside_a_character_goes_on_as_monolithic(family_stack, family, mode):
     """A resume can break a reply off inside a character: a byte-level tokenizer spells a rare
     one over several tokens. Continued there (as the gateway resumes a stream, and as a client
     may), the reply goes on with the monolithic tokens and text. An E/P/D decode whose
