@@ -171,7 +171,7 @@ class LeaseReleaser:
 # ---- consumer side ----------------------------------------------------------------------------
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Pending:
     read: Read
     needs_epoch: int  # the producer's credentials must have been fetched this many times first
@@ -192,7 +192,7 @@ class _Producer:
     pending: list[_Pending] = dataclasses.field(default_factory=list)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class _Arena:
     """A producer's arena, prepared in pages (see :meth:`NixlAgent.prepare`)."""
 
@@ -202,7 +202,7 @@ class _Arena:
     unit_bytes: int  # the producer's slot size, a whole number of pages
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class _Transfer:
     producer: str  # encoder address
     agent: str
@@ -245,6 +245,9 @@ class NixlReader:
         self._base = buffer.data_ptr()
         self._registration = self._agent.register(buffer)
         self._pages = buffer.numel() * buffer.element_size() // PAGE_BYTES
+        # 0, 1, 2, ... up to the most pages of this buffer or a producer's arena: a READ's page
+        # indices are slices of it, made without allocating (see _page_indices).
+        self._page_numbers = np.arange(self._pages, dtype=np.int32)
         try:
             self._local = self._agent.prepare(None, self._base, PAGE_BYTES, self._pages)
         except TransferError:
@@ -341,6 +344,8 @@ class NixlReader:
                 return  # unreachable and unknown: dropped
         if producer.incoming is not None:
             self._load_incoming(producer)
+        if not producer.pending:
+            return
         wanted = max((p.needs_epoch for p in producer.pending), default=0)
         if producer.reload and wanted:
             wanted = producer.epoch + 1
@@ -441,6 +446,8 @@ class NixlReader:
             logger.warning("encoder at %s: its arena cannot be prepared, so each READ carries its own descriptors: %s", producer.address, exc)
             return
         self._arenas[name] = _Arena(prepared, address, nbytes // PAGE_BYTES, unit)
+        if nbytes // PAGE_BYTES > len(self._page_numbers):
+            self._page_numbers = np.arange(nbytes // PAGE_BYTES, dtype=np.int32)
 
     def _verifies(self, location: NixlLocation, credentials: TransferCredentials) -> bool:
         return location.agent_name == credentials.agent_name and tag_matches(location, credentials.location_key)
@@ -496,6 +503,7 @@ class NixlReader:
         buffer (it owns the pages its bytes touch). Producers publish every item so, and
         :class:`~epd.transport.connector.ec_consumer.ConsumerScheduler` puts every item on a page.
         """
+        numbers = self._page_numbers
         local, remote = [], []
         for read, rows in posted:
             if len(rows) != 1:
@@ -504,12 +512,16 @@ class NixlReader:
             into_arena = address - arena.address
             pages = -(-length // PAGE_BYTES)
             first_local, off_page = divmod(read.offset, PAGE_BYTES)
+            first_remote, off_slot = divmod(into_arena, arena.unit_bytes)
+            first_remote *= arena.unit_bytes // PAGE_BYTES
             if device or length <= 0 or off_page or read.offset < 0 or first_local + pages > self._pages:
                 return None
-            if into_arena < 0 or into_arena % arena.unit_bytes or into_arena // PAGE_BYTES + pages > arena.pages:
+            if into_arena < 0 or off_slot or first_remote + pages > arena.pages:
                 return None
-            local.append(np.arange(first_local, first_local + pages, dtype=np.int32))
-            remote.append(np.arange(into_arena // PAGE_BYTES, into_arena // PAGE_BYTES + pages, dtype=np.int32))
+            local.append(numbers[first_local : first_local + pages])
+            remote.append(numbers[first_remote : first_remote + pages])
+        if len(posted) == 1:
+            return local[0], remote[0]
         return np.concatenate(local), np.concatenate(remote)
 
     def _ranges(self, posted: list[tuple[Read, list[Row]]]) -> tuple[list[Row], list[Row]]:
