@@ -194,7 +194,7 @@ class NixlLocation:
     lease_id: str  # 128 random bits in hex; the consumer's READ notification carries it back
     slot_generation: int  # what the region's header must read after the READ (one fill of it)
     expires_at_unix_ms: int  # after this the producer may reuse the memory
-    tag: bytes  # HMAC of the fields above but encoder_address (epd.transport.wire.nixl.location_tag)
+    tag: bytes  # HMAC of the fields above but encoder_address (epd.transport.wire.location.LocationSigner)
 
 
 @dataclass(frozen=True)

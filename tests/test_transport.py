@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import hmac
 import multiprocessing
 import os
 import socket
@@ -23,6 +24,7 @@ import grpc
 import psutil
 import pytest
 import torch
+from google.protobuf import timestamp_pb2
 from nixl import _bindings as nixlb
 
 from devkit.vllm_requests import Feature, Position, Request, SchedulerOutput
@@ -40,7 +42,7 @@ from epd.transport.memory.shared_buffer import SharedBuffer
 from epd.transport.memory.slot_header import HEADER_BYTES, SlotHeader, SlotStatus
 from epd.transport.wire.credentials import TransferCredentials
 from epd.transport.wire.errors import TransferError
-from epd.transport.wire.location import decode_descriptors, encode_descriptors, location_tag
+from epd.transport.wire.location import LocationSigner, decode_descriptors, encode_descriptors
 from epd.transport.wire.nixl import LeaseReleaser, NixlReader, Read
 from epd.v1 import encoder_pb2_grpc, multimodal_pb2
 from tests.transport_producer import ARENA_BYTES, SLOT_BYTES, make_rows, producer_main
@@ -157,10 +159,10 @@ def test_a_reused_slot_reads_back_another_generation(producer, reader, receive_b
 def test_expiring_lease_is_refused_without_a_read(producer, reader, releaser):
     location = producer("publish", 31, 2, 64, "float32")
     # Re-tagged, as only the producer could: the expiry check itself is what is under test.
-    key = producer("credentials").location_key
+    signer = LocationSigner(producer("credentials").location_key)
     expires = int(time.time() * 1000)
     expired = dataclasses.replace(location, expires_at_unix_ms=expires)
-    expired = dataclasses.replace(expired, tag=location_tag(key, expired))
+    expired = dataclasses.replace(expired, tag=signer.tag(expired))
     reader.submit([Read("old", expired, SharedCounters.BYTES)])
     (error,) = _drain(reader, 1).values()
     assert "expire" in error
@@ -663,6 +665,21 @@ def test_a_well_formed_location_converts_both_ways():
     location = wire.embedding_location_from_wire(_wire_location())
     assert isinstance(location, NixlLocation) and location.tag == b"\x01" * 32
     assert wire.embedding_location_from_wire(wire._handle_to_wire(location)) == location
+
+
+def test_a_location_tag_is_hmac_sha256_of_its_length_prefixed_fields():
+    """The tag's format, spelled out independently of LocationSigner: producers and consumers of
+    different EPD builds must agree on it, and no field may bleed into its neighbour."""
+    key = bytes(range(32))
+    location = wire.embedding_location_from_wire(_wire_location(slot_generation=7, expires_at=timestamp_pb2.Timestamp(seconds=1_800_000_000)))
+    fields = [location.agent_name.encode(), location.lease_id.encode(), location.descriptors]
+    fields += [str(value).encode() for value in (location.nbytes, location.expires_at_unix_ms, location.slot_generation)]
+    message = b"epd-nixl-location-v2" + b"".join(len(field).to_bytes(4, "little") + field for field in fields)
+    signer = LocationSigner(key)
+    assert signer.tag(location) == hmac.digest(key, message, "sha256")
+    assert signer.verifies(dataclasses.replace(location, tag=signer.tag(location)))
+    moved = dataclasses.replace(location, lease_id=location.lease_id[1:] + "0", tag=signer.tag(location))
+    assert not signer.verifies(moved) and not LocationSigner(key[::-1]).verifies(dataclasses.replace(location, tag=signer.tag(location)))
 
 
 def test_inline_embeddings_are_copied_in_without_nixl(consumer):

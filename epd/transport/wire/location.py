@@ -8,6 +8,7 @@ arrived over the network.
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import re
 import struct
@@ -27,35 +28,43 @@ _DESCRIPTOR_ROW = struct.Struct("<QQI")  # address, length, device id
 _PART_LENGTH = struct.Struct("<I")
 
 
-def location_tag(key: bytes, location: NixlLocation) -> bytes:
-    """HMAC-SHA256 of a location's fields but the tag itself (each length-prefixed, so none can
-    bleed into another).
+class LocationSigner:
+    """Tags locations under one producer's key: HMAC-SHA256 of a location's fields but the tag
+    itself, each length-prefixed so none can bleed into another.
+
+    The key schedule (and the context prefix) is hashed once, here, and copied per location: a
+    consumer checks one tag per READ on its engine's scheduler thread, a producer makes one per
+    published item (1.7 us a tag against 2.7 keying HMAC afresh).
 
     ``encoder_address`` is left out on purpose: the key is only ever fetched from that address,
     so a location pointing elsewhere cannot verify under the real encoder's key anyway.
     """
-    parts = (
-        location.agent_name.encode(),
-        location.lease_id.encode(),
-        location.descriptors,
-        b"%d" % location.nbytes,
-        b"%d" % location.expires_at_unix_ms,
-        b"%d" % location.slot_generation,
-    )
-    message = _TAG_CONTEXT + b"".join(_PART_LENGTH.pack(len(part)) + part for part in parts)
-    # One-shot C HMAC: a consumer computes one per READ, on its engine's scheduler thread.
-    return hmac.digest(key, message, "sha256")
 
+    def __init__(self, key: bytes) -> None:
+        self._keyed = hmac.new(key, _TAG_CONTEXT, hashlib.sha256)
 
-def tag_matches(location: NixlLocation, key: bytes) -> bool:
-    return hmac.compare_digest(location_tag(key, location), location.tag)
+    def tag(self, location: NixlLocation) -> bytes:
+        agent, lease, descriptors = location.agent_name.encode(), location.lease_id.encode(), location.descriptors
+        nbytes, expires, generation = b"%d" % location.nbytes, b"%d" % location.expires_at_unix_ms, b"%d" % location.slot_generation
+        length = _PART_LENGTH.pack
+        digest = self._keyed.copy()
+        digest.update(
+            b"".join((
+                length(len(agent)), agent, length(len(lease)), lease, length(len(descriptors)), descriptors,
+                length(len(nbytes)), nbytes, length(len(expires)), expires, length(len(generation)), generation,
+            ))
+        )  # fmt: skip
+        return digest.digest()
+
+    def verifies(self, location: NixlLocation) -> bool:
+        return hmac.compare_digest(self.tag(location), location.tag)
 
 
 def location_problems(location: NixlLocation) -> list[tuple[str, str]]:
     """(field, problem) for each part of a location that cannot be right, whoever sent it.
 
     Only the form: whether the location is genuine, only the encoder's key can tell
-    (:func:`tag_matches`, in the consumer engine).
+    (:meth:`LocationSigner.verifies`, in the consumer engine).
     """
     problems = []
     if not location.agent_name:

@@ -11,7 +11,7 @@ READ all of its registered memory. So:
   that authenticates its locations (:class:`TransferCredentials`), travel only over the encoder's
   gRPC channel (``EncoderService.GetTransferMetadata``), which TLS credentials protect where
   configured;
-- every location carries an HMAC (:func:`location_tag`) over its agent, lease id, descriptors,
+- every location carries an HMAC (:class:`LocationSigner`) over its agent, lease id, descriptors,
   size, expiry and slot generation; a reader READs nothing whose tag does not verify under the key the encoder
   at the location's ``encoder_address`` gave it, so a handle cannot be moved onto another
   request's slot or lease;
@@ -59,7 +59,7 @@ from epd.transport.wire.agent import NixlAgent, Row
 from epd.transport.wire.base import Read
 from epd.transport.wire.credentials import TransferCredentials
 from epd.transport.wire.errors import TransferError
-from epd.transport.wire.location import LEASE_ID, decode_descriptors, encode_descriptors, location_tag, tag_matches
+from epd.transport.wire.location import LEASE_ID, LocationSigner, decode_descriptors, encode_descriptors
 
 logger = logging.getLogger(__name__)
 
@@ -90,6 +90,7 @@ class NixlPublisher:
         self._registration = self._agent.register(buffer)
         # Registered once, so the metadata never changes for the life of this process.
         self.credentials = TransferCredentials(agent_name, self._agent.metadata(), secrets.token_bytes(_KEY_BYTES), *_arena_layout(buffer))
+        self._signer = LocationSigner(self.credentials.location_key)
 
     def location(self, lease: Lease, expires_at_unix_s: float) -> NixlLocation:
         """How a consumer reaches a published lease: exactly its header and rows.
@@ -108,7 +109,7 @@ class NixlPublisher:
             expires_at_unix_ms=int(expires_at_unix_s * 1000),
             tag=b"",
         )
-        return dataclasses.replace(location, tag=location_tag(self.credentials.location_key, location))
+        return dataclasses.replace(location, tag=self._signer.tag(location))
 
     def ended_leases(self) -> list[str]:
         """Lease ids that consumers READ, or that their owner released, since the last call.
@@ -185,6 +186,7 @@ class _Producer:
     address: str
     channel: grpc.Channel
     credentials: TransferCredentials | None = None  # loaded into the agent
+    signer: LocationSigner | None = None  # checks locations under the loaded credentials' key
     epoch: int = 0  # completed credential fetches
     fetch: grpc.Future | None = None
     incoming: TransferCredentials | None = None  # fetched; loaded once no READ from the old agent runs
@@ -359,7 +361,7 @@ class NixlReader:
         producer.pending = [p for p in producer.pending if p.needs_epoch > producer.epoch]
         verified = []
         for pending in ready:
-            if self._verifies(pending.read.location, producer.credentials):
+            if self._verifies(pending.read.location, producer):
                 verified.append(pending.read)
             elif not pending.refetched:
                 # Checked against credentials cached before this read came: the encoder may have
@@ -430,7 +432,7 @@ class NixlReader:
             logger.info("encoder at %s: NIXL agent %r replaced by %r (restarted)", producer.address, old.agent_name, name)
         self._loaded[name] = producer.address
         self._prepare_arena(producer, name, incoming)
-        producer.credentials = incoming
+        producer.credentials, producer.signer = incoming, LocationSigner(incoming.location_key)
         producer.epoch += 1
 
     def _prepare_arena(self, producer: _Producer, name: str, credentials: TransferCredentials) -> None:
@@ -449,8 +451,8 @@ class NixlReader:
         if nbytes // PAGE_BYTES > len(self._page_numbers):
             self._page_numbers = np.arange(nbytes // PAGE_BYTES, dtype=np.int32)
 
-    def _verifies(self, location: NixlLocation, credentials: TransferCredentials) -> bool:
-        return location.agent_name == credentials.agent_name and tag_matches(location, credentials.location_key)
+    def _verifies(self, location: NixlLocation, producer: _Producer) -> bool:
+        return location.agent_name == producer.credentials.agent_name and producer.signer.verifies(location)
 
     def _post(self, producer: _Producer, reads: list[Read], now: float) -> None:
         agent = producer.credentials.agent_name
