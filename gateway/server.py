@@ -12,7 +12,7 @@ from epd.engine import Engine, EngineConfig, EngineRole
 from epd.media.decode import MediaDecoder
 from epd.prompt import PromptRenderer
 from epd.security import BearerTokenInterceptor, channel_credentials, read_token
-from epd.server import GrpcHost, ServerConfig, limit_malloc_arenas, run_service
+from epd.server import GrpcHost, ServerConfig, limit_malloc_arenas, release_freed_heap_periodically, run_service
 from epd.v1 import decode_pb2, decode_pb2_grpc, encoder_pb2, encoder_pb2_grpc, gateway_pb2, prefill_pb2, prefill_pb2_grpc
 from gateway.config import GatewayConfig
 from gateway.pipeline import DisaggregatedPipeline, Mode, MonolithicPipeline
@@ -110,4 +110,11 @@ async def serve(config: GatewayConfig, server: ServerConfig, engine_config: Engi
             await wait_for_wind_downs()
             await servicer.pipeline.close()
 
-    await run_service(host, engine, on_ready=on_ready, on_stop=close_pipeline)
+    # What floods left free in the C heap goes back to the OS (as the arena limit, not beside
+    # the oracle's engine).
+    heap_release = asyncio.create_task(release_freed_heap_periodically()) if config.mode is not Mode.MONOLITHIC else None
+    try:
+        await run_service(host, engine, on_ready=on_ready, on_stop=close_pipeline)
+    finally:
+        if heap_release is not None:
+            heap_release.cancel()

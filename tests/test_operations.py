@@ -7,6 +7,7 @@ import asyncio
 import secrets
 
 import grpc
+import psutil
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -16,7 +17,7 @@ from devkit.media import synthetic_image_png
 from epd import wire
 from epd.client import chat_request, generate
 from epd.domain import ChatMessage, Role, TextPart
-from epd.server import EXIT_ENGINE_DIED
+from epd.server import EXIT_ENGINE_DIED, release_freed_heap
 from epd.telemetry import scrape
 from epd.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from tests.helpers import SMALL_KV_CACHE, gateway_stub, wait_for_metric
@@ -230,3 +231,16 @@ async def test_idle_services_leave_the_cpu_idle(family_stack):
     await asyncio.sleep(window_s)
     share = {name: (used - before[name]) / window_s for name, used in cpu_seconds().items()}
     assert all(used < 0.3 for used in share.values()), share  # of one core; a polling thread is ~1.0
+
+
+def test_the_heap_freed_between_live_blocks_goes_back_to_the_os():
+    """What a flood leaves: most of the C heap free, but held by glibc between the blocks still
+    live, which no ``free`` gives back and the gateway's periodic release does."""
+    process = psutil.Process()
+    blocks = [bytearray(1000) for _ in range(100_000)]  # over pymalloc's 512 bytes: glibc's heap
+    live = blocks[::100]
+    del blocks
+    held = process.memory_info().rss
+    assert release_freed_heap()
+    assert process.memory_info().rss < held - 50 * 2**20
+    assert len(live) == 1000
