@@ -239,6 +239,12 @@ def report(doc: dict) -> list[str]:
         "- Fixed cost over a raw READ (median µs, ec_consumer / nixl_reader): "
         + ", ".join(f"{size(int(n))} {fmt(c['ec_consumer_minus_raw_read_us'], 1)} / {fmt(c['nixl_reader_minus_raw_read_us'], 1)}" for n, c in doc["fixed_cost_us"].items())
     )
+    lines.append(
+        "- Reading these: at the small sizes a raw READ's own median moves between about 10 and 30 µs from run to run. Its "
+        "notification wakes the producer's NIXL progress thread, a system call in the reader's post, whenever that thread "
+        "has gone back to sleep, which it does when READs come further apart (as between an engine's steps); the paths "
+        "with more work per READ pay it nearly always. The rest of the fixed cost is the consumer's Python per READ."
+    )
     lines += ["", "| batched | items x size | one transfer median µs | one per item median µs | speedup |", "| --- | --- | --- | --- | --- |"]
     for b in doc["batched"]:
         lines.append(
