@@ -110,8 +110,8 @@ async def serve(config: GatewayConfig, server: ServerConfig, engine_config: Engi
             await wait_for_wind_downs()
             await servicer.pipeline.close()
 
-    # What floods left free in the C heap goes back to the OS (as the arena limit, not beside
-    # the oracle's engine).
+    # What floods left free in the C heap goes back to the OS; like the arena limit, not where
+    # the gateway holds the oracle's engine.
     heap_release = asyncio.create_task(release_freed_heap_periodically()) if config.mode is not Mode.MONOLITHIC else None
     try:
         await run_service(host, engine, on_ready=on_ready, on_stop=close_pipeline)
