@@ -411,7 +411,8 @@ class NixlReader:
             if any(t.agent == old.agent_name for t in self._transfers):
                 return
             self._forget_agent(old.agent_name)
-        incoming, producer.incoming, producer.credentials, producer.reload = producer.incoming, None, None, False
+        incoming, producer.incoming, producer.reload = producer.incoming, None, False
+        producer.credentials, producer.signer = None, None  # set together again once the new agent is loaded
         try:
             name = self._agent.load_peer(incoming.agent_metadata)
             if name != incoming.agent_name:
