@@ -115,6 +115,21 @@ def service_processes(service) -> Iterator[tuple[str, Any]]:
         yield ("service" if process.pid == root.pid else "engine core" if name.startswith("VLLM") else "helper"), process
 
 
+def cpu_seconds(service) -> dict[str, float]:
+    """User + system CPU seconds each process of a service has spent so far: ``service`` (its
+    own process), ``engine core`` (vLLM's) and ``helper`` (:func:`service_processes`)."""
+    import psutil
+
+    spent: dict[str, float] = {}
+    for role, process in service_processes(service):
+        try:
+            times = process.cpu_times()
+        except psutil.NoSuchProcess:
+            continue
+        spent[role] = spent.get(role, 0.0) + times.user + times.system
+    return spent
+
+
 def summarize(values: Sequence[float]) -> dict[str, float]:
     """mean, median and p99 (and the count), as vLLM's benchmarks report them."""
     values = list(values)

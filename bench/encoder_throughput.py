@@ -17,6 +17,11 @@ encoder ran, on the same images.
 
 Both must agree on every item's embedding shape (rows x width), so they did the same work.
 
+Where a pass's time goes: the CPU-seconds of the service's processes (its engine core included)
+and of this process (the gRPC client, on the same cores), against the pass's wall time; and the
+service's own phases (``epd_encoder_phase_seconds``: decode and waiting for an engine request per
+call, vLLM's processor and the engine per engine request). For the HF pipeline, its CPU-seconds.
+
 The same service is then measured at 1, 4 and 16 Encode calls in flight with 1 to 8 images per
 call (``sweep``), and with video clips; an encoder of a Qwen2-Audio checkpoint with audio clips.
 
@@ -37,7 +42,7 @@ import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from bench.common import RESULTS_DIR, command_line, progress, summarize, write_result
+from bench.common import RESULTS_DIR, command_line, cpu_seconds, progress, summarize, write_result
 from bench.formatting import fmt, machine
 from bench.workload import salt_media
 from epd.domain import MediaFile, MediaInput, Modality
@@ -47,6 +52,7 @@ REPO_ROOT = pathlib.Path(__file__).resolve().parents[1]
 DEFAULT_CHECKPOINT_ROOT = REPO_ROOT / "checkpoints"
 FAMILY = "qwen2_5_vl"
 HF_BATCH_ITEMS = 16  # the old encoder's max_batch_items
+HF_STAGES = ("decode", "processor", "tower")
 FULL_ITEMS, QUICK_ITEMS = 64, 12
 FULL_REPEATS, QUICK_REPEATS = 3, 1
 IMAGE_EDGE_PX = (448, 896)  # inclusive, multiples of 28 (the tower's patch 14 x merge 2)
@@ -118,13 +124,13 @@ def run(
     hf = measure_hf(model, images, repeats)
     progress(f"{NAME}: hf_tower {hf['items_per_s']['median']:.1f} items/s")
     with encoder_service(model) as encoder:
-        service = measure_encoder(encoder.address, encoder.metrics_port, items, repeats)
+        service = measure_encoder(encoder, items, repeats)
         progress(f"{NAME}: vllm_service {service['items_per_s']['median']:.1f} items/s, {service['mean_batch_items']:.1f} items per engine step")
         grid = measure_sweep(encoder, items, repeats, *sweep)
-        video = measure_encoder(encoder.address, encoder.metrics_port, build_videos(clips), repeats, concurrency=CLIP_CONCURRENCY)
+        video = measure_encoder(encoder, build_videos(clips), repeats, concurrency=CLIP_CONCURRENCY)
         progress(f"{NAME}: video {video['items_per_s']['median']:.1f} clips/s")
     with encoder_service(ensure_tiny_checkpoint(AUDIO_FAMILY, root)) as encoder:
-        audio = measure_encoder(encoder.address, encoder.metrics_port, build_audio(clips), repeats, concurrency=CLIP_CONCURRENCY)
+        audio = measure_encoder(encoder, build_audio(clips), repeats, concurrency=CLIP_CONCURRENCY)
         progress(f"{NAME}: audio {audio['items_per_s']['median']:.1f} clips/s")
     payload = build_payload(model, repeats, hf, service, sweep=grid, video=video, audio=audio)
     progress(f"{NAME}: vLLM service / HF tower items/s ×{payload['ratios']['vllm_service_over_hf_tower']:.2f}")
@@ -158,7 +164,7 @@ def measure_sweep(encoder, items: Sequence[MediaInput], repeats: int, concurrenc
     grid = []
     for calls in concurrency:
         for per_call in items_per_call:
-            measured = measure_encoder(encoder.address, encoder.metrics_port, items, repeats, concurrency=calls, items_per_call=per_call)
+            measured = measure_encoder(encoder, items, repeats, concurrency=calls, items_per_call=per_call)
             grid.append({"concurrency": calls, "items_per_call": per_call, **_public(measured)})
             progress(f"{NAME}: {calls} calls x {per_call} items: {measured['items_per_s']['median']:.1f} items/s")
     return grid
@@ -230,6 +236,7 @@ def measure_hf(model_dir: pathlib.Path, images: Sequence[bytes], repeats: int) -
 
     def one_pass() -> tuple[dict[str, float], list[tuple[int, int]]]:
         seconds = {"decode": 0.0, "processor": 0.0, "tower": 0.0}
+        cpu_started = time.process_time()
         shapes: list[tuple[int, int]] = []
         for start in range(0, len(items), HF_BATCH_ITEMS):
             t0 = time.perf_counter()
@@ -243,15 +250,17 @@ def measure_hf(model_dir: pathlib.Path, images: Sequence[bytes], repeats: int) -
             shapes += [(int(e.shape[0]), int(e.shape[1])) for e in output.pooler_output]
             for stage, elapsed in (("decode", t1 - t0), ("processor", t2 - t1), ("tower", t3 - t2)):
                 seconds[stage] += elapsed
-        return seconds, shapes
+        return seconds | {"cpu": time.process_time() - cpu_started}, shapes
 
     one_pass()  # warm-up: first-call allocations and lazy initialization
     passes = [one_pass() for _ in range(repeats)]
-    totals = [sum(seconds.values()) for seconds, _ in passes]
+    totals = [sum(seconds[stage] for stage in HF_STAGES) for seconds, _ in passes]
     return {
         "items_per_s": summarize([len(items) / total for total in totals]),
         "seconds": summarize(totals),
-        "stage_seconds_median": {stage: statistics.median(seconds[stage] for seconds, _ in passes) for stage in ("decode", "processor", "tower")},
+        "cpu_s": summarize([seconds["cpu"] for seconds, _ in passes]),
+        "cores_busy": summarize([seconds["cpu"] / total for (seconds, _), total in zip(passes, totals, strict=True)]),
+        "stage_seconds_median": {stage: statistics.median(seconds[stage] for seconds, _ in passes) for stage in HF_STAGES},
         "torch_threads": torch.get_num_threads(),
         "shapes": passes[0][1],
     }
@@ -280,23 +289,28 @@ def image_items(images: Sequence[bytes]) -> list[MediaInput]:
     return [MediaInput(Modality.IMAGE, MediaFile(data, "image/jpeg")) for data in images]
 
 
-def measure_encoder(
-    address: str, metrics_port: int, items: Sequence[MediaInput], repeats: int, *, concurrency: int | None = None, items_per_call: int = 1
-) -> dict[str, Any]:
-    """Items/s of a running encoder service: ``items`` in Encode calls of ``items_per_call``, at
-    most ``concurrency`` calls in flight (None: every call at once, saturation)."""
+def measure_encoder(encoder, items: Sequence[MediaInput], repeats: int, *, concurrency: int | None = None, items_per_call: int = 1) -> dict[str, Any]:
+    """Items/s of a running encoder service (a :class:`cli.launcher.ServiceProcess`): ``items`` in
+    Encode calls of ``items_per_call``, at most ``concurrency`` calls in flight (None: every call
+    at once, saturation). Also where each pass's time went: the CPU of the service's processes
+    and of this process (the gRPC client, on the same cores), and the service's phases
+    (``epd_encoder_phase_seconds``)."""
     from epd.telemetry import scrape
 
     modality = items[0].modality.value
-    counters = [f"{name}{{modality={modality}}}" for name in _COUNTERS] + list(_REQUEST_COUNTERS)
-    asyncio.run(_send(address, items[:2], salt="warm-up"))
+    counters = [f"{name}{{modality={modality}}}" for name in _COUNTERS] + list(_REQUEST_COUNTERS) + list(_PHASE_COUNTERS)
+    asyncio.run(_send(encoder.address, items[:2], salt="warm-up"))
     passes = []
     for repeat in range(repeats):
-        before = scrape(metrics_port)
-        seconds, shapes = asyncio.run(_send(address, items, salt=f"repeat-{repeat}-{concurrency}-{items_per_call}", concurrency=concurrency, items_per_call=items_per_call))
-        after = scrape(metrics_port)
-        passes.append((seconds, shapes, {key: after.get(key, 0.0) - before.get(key, 0.0) for key in counters}))
-    steps, batch_items, call_seconds, calls, joined_calls, requests = (sum(delta[key] for _, _, delta in passes) for key in counters)
+        before, service_cpu, client_cpu = scrape(encoder.metrics_port), sum(cpu_seconds(encoder).values()), time.process_time()
+        seconds, shapes = asyncio.run(_send(encoder.address, items, salt=f"repeat-{repeat}-{concurrency}-{items_per_call}", concurrency=concurrency, items_per_call=items_per_call))
+        client_cpu, service_cpu = time.process_time() - client_cpu, sum(cpu_seconds(encoder).values()) - service_cpu
+        after = scrape(encoder.metrics_port)
+        delta = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in counters}
+        passes.append((seconds, shapes, delta | {"service_cpu_s": service_cpu, "client_cpu_s": client_cpu}))
+    total = {key: sum(delta[key] for _, _, delta in passes) for key in counters}
+    steps, batch_items, call_seconds, calls = (total[f"{name}{{modality={modality}}}"] for name in _COUNTERS)
+    joined_calls, requests = (total[key] for key in _REQUEST_COUNTERS)
     return {
         "items_per_s": summarize([len(items) / seconds for seconds, _, _ in passes]),
         "seconds": summarize([seconds for seconds, _, _ in passes]),
@@ -304,7 +318,15 @@ def measure_encoder(
         "engine_steps": steps,
         "calls_per_engine_request": joined_calls / requests if requests else float("nan"),
         "mean_encode_call_ms": 1000 * call_seconds / calls if calls else float("nan"),
-        "arena_leases_at_end": _leases_after_drain(metrics_port),
+        "service_cpu_s": summarize([delta["service_cpu_s"] for _, _, delta in passes]),
+        "client_cpu_s": summarize([delta["client_cpu_s"] for _, _, delta in passes]),
+        "cores_busy": summarize([delta["service_cpu_s"] / seconds for seconds, _, delta in passes]),
+        "phase_mean_ms": {
+            phase: 1000 * total[f"epd_encoder_phase_seconds_sum{{phase={phase}}}"] / count
+            for phase in PHASES
+            if (count := total[f"epd_encoder_phase_seconds_count{{phase={phase}}}"])
+        },
+        "arena_leases_at_end": _leases_after_drain(encoder.metrics_port),
         "shapes": passes[0][1],
     }
 
@@ -312,6 +334,10 @@ def measure_encoder(
 _COUNTERS = ("epd_encoder_batches", "epd_encoder_batch_items", "epd_encoder_seconds_sum", "epd_encoder_seconds_count")
 # Encode calls joined per engine request (services.encoder.batching), over every modality.
 _REQUEST_COUNTERS = ("epd_encoder_request_calls_sum", "epd_encoder_request_calls_count")
+# The service's phases (epd.telemetry.ENCODER_PHASE_SECONDS): decode and queue per Encode call,
+# render and engine per engine request.
+PHASES = ("decode", "queue", "render", "engine")
+_PHASE_COUNTERS = tuple(f"epd_encoder_phase_seconds_{part}{{phase={phase}}}" for phase in PHASES for part in ("sum", "count"))
 
 
 async def _send(
@@ -379,6 +405,28 @@ if __name__ == "__main__":
 # ---- the report section ---------------------------------------------------------------------
 
 
+def _where_the_time_goes(service: dict, hf: dict) -> list[str]:
+    """CPU against wall time per pass, and the service's phases: whether the service is short of
+    CPU or leaves cores idle, and in which phase a call waits."""
+    if "service_cpu_s" not in service:  # a result from before these were measured
+        return []
+    phases = service["phase_mean_ms"]
+    labels = {"decode": "decode", "queue": "waiting for an engine request", "render": "vLLM's processor", "engine": "the engine (scheduler, tower, arena write)"}
+
+    def mean(phase: str) -> str:
+        return f"{labels[phase]} {fmt(phases[phase], 1)} ms" if phase in phases else f"{labels[phase]} not seen"
+
+    return [
+        f"Where a pass's time goes (medians per pass): the service spent {fmt(service['service_cpu_s']['median'], 3)} CPU-seconds, its engine included, "
+        f"{fmt(service['cores_busy']['median'], 2)} cores busy on average, and this benchmark's gRPC client {fmt(service['client_cpu_s']['median'], 3)} on the same cores; "
+        f"the HF pipeline spent {fmt(hf['cpu_s']['median'], 3)} ({fmt(hf['cores_busy']['median'], 2)} cores busy). "
+        f"Mean per Encode call: {mean('decode')}, {mean('queue')}; per engine request: {mean('render')}, {mean('engine')} "
+        "(`epd_encoder_phase_seconds`).",
+        "",
+    ]
+
+
+
 def report(doc: dict) -> list[str]:
     cfg, results = doc["config"], doc["results"]
     service, hf = results["vllm_service"], results["hf_tower"]
@@ -412,6 +460,7 @@ def report(doc: dict) -> list[str]:
         f"Ratio (vLLM service over HF tower, items/s): ×{fmt(doc['ratios']['vllm_service_over_hf_tower'], 3)} (goal ×0.9: "
         f"{'met' if doc['ratios']['vllm_service_over_hf_tower'] >= THROUGHPUT_GOAL else 'NOT met'}). Arena leases at the end: {service['arena_leases_at_end']:g}.",
         "",
+        *_where_the_time_goes(service, hf),
     ]
     if results.get("sweep"):
         per_call = sorted({cell["items_per_call"] for cell in results["sweep"]})

@@ -15,7 +15,7 @@
   rest being the client's hop to it (sending it the media) and the client's own reading.
 - **Resources:** peak RSS per service (process tree), and where each request's CPU goes: user +
   system CPU of every process an arm's requests run through (its gateway, each service, each
-  engine core), per request of its saturation runs (:func:`cpu_seconds`; NIXL's and UCX's
+  engine core), per request of its saturation runs (:func:`bench.common.cpu_seconds`; NIXL's and UCX's
   progress threads are unnamed, so they count in the process that runs them).
 - **End state:** what must be back to zero once the load is gone: the encoder's arena leases
   (``epd_arena_leases``), every engine's KV cache usage and requests, and the embedding loads that
@@ -46,7 +46,7 @@ import statistics
 import time
 from collections.abc import Sequence
 
-from bench.common import RESULTS_DIR, command_line, progress, service_processes, write_result
+from bench.common import RESULTS_DIR, command_line, cpu_seconds, progress, write_result
 from bench.compiled import GoRelay, go_relay
 from bench.formatting import MIB, fmt, machine
 from bench.workload import STAGES, WorkloadSpec, build_requests, run_load, salted
@@ -118,23 +118,8 @@ def peak_rss_mib(service: ServiceProcess | GoRelay) -> float:
     return total / 1024
 
 
-def cpu_seconds(service: ServiceProcess | GoRelay) -> dict[str, float]:
-    """User + system CPU seconds each process of a service has spent so far: ``service`` (its
-    own process), ``engine core`` (vLLM's) and ``helper`` (:func:`bench.common.service_processes`)."""
-    import psutil
-
-    spent: dict[str, float] = {}
-    for role, process in service_processes(service):
-        try:
-            times = process.cpu_times()
-        except psutil.NoSuchProcess:
-            continue
-        spent[role] = spent.get(role, 0.0) + times.user + times.system
-    return spent
-
-
 def _cpu_ms_per_request(services: dict, before: dict[str, dict[str, float]], requests: int) -> dict[str, float]:
-    """CPU milliseconds per request since ``before`` (:func:`cpu_seconds` per service), by
+    """CPU milliseconds per request since ``before`` (:func:`bench.common.cpu_seconds` per service), by
     ``"<service> <role>"``."""
     spent = {}
     for name, service in services.items():

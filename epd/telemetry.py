@@ -53,6 +53,17 @@ ENCODER_ITEMS = Counter("epd_encoder_items_total", "Media items encoded, by moda
 ENCODER_SECONDS = Histogram(
     "epd_encoder_seconds", "Encode call time (decode, vLLM processor and tower), per item, by modality", ["modality"], buckets=_LATENCY_BUCKETS
 )
+# Where an Encode call's time goes, so an operator can tell what an encoder is short of: "decode"
+# (its media, per call), "queue" (decoded, waiting for an engine request: services.encoder.batching,
+# per call), "render" (vLLM's processor on one engine request's items), "engine" (that request in
+# vLLM's engine: the scheduler, the tower, the arena write). Calls the encoder-output cache
+# answers pass through none of them.
+ENCODER_PHASE_SECONDS = Histogram(
+    "epd_encoder_phase_seconds",
+    "Encode time by phase: decode and queue per call, render (vLLM's processor) and engine (the tower) per engine request",
+    ["phase"],
+    buckets=_LATENCY_BUCKETS,
+)
 ENCODER_REQUEST_CALLS = Histogram(
     "epd_encoder_request_calls",
     "Encode calls per encoder engine request (concurrent calls share one; services.encoder.batching)",

@@ -31,9 +31,9 @@ def test_smoke_run_writes_the_schema(family_stack, tmp_path: pathlib.Path) -> No
     images = encoder_throughput.build_images(4)
     hf = encoder_throughput.measure_hf(model, images, repeats=1)
     encoder = family_stack.encoder
-    service = encoder_throughput.measure_encoder(encoder.address, encoder.metrics_port, encoder_throughput.image_items(images), repeats=1)
+    service = encoder_throughput.measure_encoder(encoder, encoder_throughput.image_items(images), repeats=1)
     sweep = encoder_throughput.measure_sweep(encoder, encoder_throughput.image_items(images), 1, (1, 2), (1, 4))
-    video = encoder_throughput.measure_encoder(encoder.address, encoder.metrics_port, encoder_throughput.build_videos(2), repeats=1, concurrency=2)
+    video = encoder_throughput.measure_encoder(encoder, encoder_throughput.build_videos(2), repeats=1, concurrency=2)
     payload = encoder_throughput.build_payload(model, 1, hf, service, sweep=sweep, video=video)
     path = write_result(encoder_throughput.NAME, payload, command="pytest", results_dir=tmp_path)
 
@@ -44,8 +44,24 @@ def test_smoke_run_writes_the_schema(family_stack, tmp_path: pathlib.Path) -> No
     assert len(config["embedding_rows"]) == 4 and all(rows > 0 for rows in config["embedding_rows"]) and config["embedding_width"] > 0
 
     service, hf = doc["results"]["vllm_service"], doc["results"]["hf_tower"]
-    assert set(service) == {"items_per_s", "seconds", "mean_batch_items", "engine_steps", "calls_per_engine_request", "mean_encode_call_ms", "arena_leases_at_end"}
-    assert set(hf) == {"items_per_s", "seconds", "stage_seconds_median", "torch_threads"}
+    assert set(service) == {
+        "items_per_s",
+        "seconds",
+        "mean_batch_items",
+        "engine_steps",
+        "calls_per_engine_request",
+        "mean_encode_call_ms",
+        "service_cpu_s",
+        "client_cpu_s",
+        "cores_busy",
+        "phase_mean_ms",
+        "arena_leases_at_end",
+    }
+    assert set(hf) == {"items_per_s", "seconds", "cpu_s", "cores_busy", "stage_seconds_median", "torch_threads"}
+    # Every call was decoded, queued, rendered and encoded by the engine; the service and the HF
+    # pipeline spent CPU on it.
+    assert set(service["phase_mean_ms"]) == set(encoder_throughput.PHASES) and all(positive(ms) for ms in service["phase_mean_ms"].values())
+    assert all(positive(result[key]["median"]) for result, key in ((service, "service_cpu_s"), (service, "cores_busy"), (hf, "cpu_s"), (hf, "cores_busy")))
     for result in (service, hf):
         assert set(result["items_per_s"]) == SUMMARY and result["items_per_s"]["count"] == 1 and positive(result["items_per_s"]["median"])
     assert service["arena_leases_at_end"] == 0
@@ -69,6 +85,7 @@ def test_smoke_run_writes_the_schema(family_stack, tmp_path: pathlib.Path) -> No
     report = write_report(tmp_path, out=tmp_path / "BENCHMARKS.md").read_text()
     assert "## Encoder throughput" in report and "Command: `pytest`" in report and "| vllm_service |" in report
     assert "| vllm_service, video |" in report and "| 1 | " in report and "4 per call" in report
+    assert "Where a pass's time goes" in report and "waiting for an engine request" in report
 
 
 def test_images_are_seeded_jpegs_of_the_configured_sizes() -> None:

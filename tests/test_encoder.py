@@ -304,3 +304,31 @@ async def test_calls_that_arrive_together_share_engine_requests(family_stack):
             assert torch.equal(*(read_published_rows(wire.embedding_location_from_wire(i.embedding), rows, width, torch.float32) for i in (item, reference))), index
             await stub.ReleaseEmbeddings(encoder_pb2.ReleaseEmbeddingsRequest(lease_ids=[item.embedding.nixl.lease_id, reference.embedding.nixl.lease_id]))
 
+
+async def test_each_encode_phase_is_timed_once_per_call_or_engine_request(family_stack):
+    """epd_encoder_phase_seconds: decode and queue once per call, render and engine once per
+    engine request (calls that arrive together share one), so an operator can tell which phase
+    an encoder is short of."""
+    from bench.workload import salt_media
+    from devkit.media import synthetic_image
+    from epd.telemetry import scrape
+
+    image = synthetic_image(112, 112, seed=21, image_format="JPEG")
+
+    def request(index: int) -> encoder_pb2.EncodeRequest:
+        media = multimodal_pb2.Media(data=salt_media(image, "image/jpeg", f"phases-{index}"), mime_type="image/jpeg")
+        return encoder_pb2.EncodeRequest(request_id=f"phases-{index}", items=[multimodal_pb2.MediaItem(image=media)])
+
+    def counts(samples: dict[str, float]) -> dict[str, float]:
+        phases = {phase: samples.get(f"epd_encoder_phase_seconds_count{{phase={phase}}}", 0.0) for phase in ("decode", "queue", "render", "engine")}
+        return phases | {"requests": samples.get("epd_encoder_request_calls_count", 0.0)}
+
+    async with grpc.aio.insecure_channel(family_stack.encoder.address) as channel:
+        stub = encoder_pb2_grpc.EncoderServiceStub(channel)
+        before = counts(scrape(family_stack.encoder.metrics_port))
+        replies = await asyncio.gather(*(stub.Encode(request(index), timeout=60) for index in range(5)))
+        after = counts(scrape(family_stack.encoder.metrics_port))
+        await stub.ReleaseEmbeddings(encoder_pb2.ReleaseEmbeddingsRequest(lease_ids=[reply.items[0].embedding.nixl.lease_id for reply in replies]))
+    spent = {name: after[name] - before[name] for name in after}
+    assert spent["decode"] == spent["queue"] == 5, spent
+    assert 1 <= spent["requests"] == spent["render"] == spent["engine"] <= 5, spent

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 from collections import Counter, deque
 from collections.abc import Mapping
 
@@ -49,6 +50,7 @@ class PendingCall:
     paths: list[str]
     published: asyncio.Future[dict[str, PublishedItem]]
     abandoned: bool = False  # its caller is gone: whatever is published for it is released
+    ready_at: float = dataclasses.field(default_factory=time.perf_counter)  # decoded, waiting from then on
 
     @property
     def hashes(self) -> set[str]:

@@ -79,7 +79,9 @@ class EncoderRunner:
         published = await self._held(items)
         if published is None:
             # Off the event loop: a video decode takes long enough to stall other calls.
+            decode_started = time.perf_counter()
             decoded = await asyncio.to_thread(self.decoder.decode_all, items, paths)
+            _observe_phase("decode", decode_started)
             published = await self._published(PendingCall(request_id, items, decoded, paths, asyncio.get_running_loop().create_future()))
         encoded = []
         for path, item in zip(paths, items, strict=True):
@@ -186,6 +188,8 @@ class EncoderRunner:
     def _start_batches(self) -> None:
         while self._queue and len(self._batches) < self.config.batches_in_flight:
             batch = self._queue.take_batch()
+            for call in batch:
+                _observe_phase("queue", call.ready_at)
             task = asyncio.get_running_loop().create_task(self._encode_batch(batch))
             self._batches[task] = batch
             task.add_done_callback(self._batch_ended)
@@ -217,14 +221,18 @@ class EncoderRunner:
         request and its own errors: their joint prompt failed in vLLM's processor, is longer than
         the engine's context, or needs more than the arena holds."""
         try:
+            render_started = time.perf_counter()
             rendered = await self._render_together(calls) if len(calls) > 1 else await self._render_alone(calls[0])
+            _observe_phase("render", render_started)
             if rendered is None:
                 await asyncio.gather(*(self._encode_batch([call]) for call in calls))
                 return
             telemetry.ENCODER_REQUEST_CALLS.observe(len(calls))
             suffix = f"+{len(calls) - 1}" if len(calls) > 1 else ""
             # Unique per request: the engine core's desk finds the request by it when its callers give up.
+            engine_started = time.perf_counter()
             params = await self._run(f"{calls[0].request_id}{suffix}-encode-{secrets.token_hex(4)}", rendered)
+            _observe_phase("engine", engine_started)
             published = published_from_params(params)
         except asyncio.CancelledError:  # every caller is gone
             for call in calls:
@@ -326,3 +334,7 @@ class EncoderRunner:
 
     def _give_up(self, request_id: str) -> None:
         self._clean_up(asyncio.to_thread(self.engine.desk.gave_up, request_id))
+
+
+def _observe_phase(phase: str, started: float) -> None:
+    telemetry.ENCODER_PHASE_SECONDS.labels(phase=phase).observe(time.perf_counter() - started)
