@@ -55,7 +55,8 @@ _GPU_COLD_START = (
 _GPU_ENCODER_THROUGHPUT = (
     "On a GPU the tower takes well under a millisecond an item, so the service's own per-item work (media decode, "
     "processor, the hop to the engine core, the arena write, gRPC) is all that separates it from the in-process pipeline. "
-    "Measure the service's items/s over the pipeline's on the same GPU: the goal is x0.9."
+    "Measure the service's items/s over the pipeline's on the same GPU: the goal is x0.9; its phases and cores busy "
+    "(\"Where a pass's time goes\") say which of that work is left."
 )
 _GPU_SERVING = (
     "On CPU every stage shares two cores, so disaggregation's processes and hops cost throughput directly (goal: E/P/D >= "

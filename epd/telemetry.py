@@ -55,9 +55,9 @@ ENCODER_SECONDS = Histogram(
 )
 # Where an Encode call's time goes, so an operator can tell what an encoder is short of: "decode"
 # (its media, per call), "queue" (decoded, waiting for an engine request: services.encoder.batching,
-# per call), "render" (vLLM's processor on one engine request's items), "engine" (that request in
-# vLLM's engine: the scheduler, the tower, the arena write). Calls the encoder-output cache
-# answers pass through none of them.
+# per call), "render" (vLLM's processor on one engine request's items, and on a joint request that
+# failed, after which each call goes alone), "engine" (that request in vLLM's engine: the
+# scheduler, the tower, the arena write). Calls the encoder-output cache answers pass through none.
 ENCODER_PHASE_SECONDS = Histogram(
     "epd_encoder_phase_seconds",
     "Encode time by phase: decode and queue per call, render (vLLM's processor) and engine (the tower) per engine request",
