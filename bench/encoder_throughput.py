@@ -240,7 +240,7 @@ def measure_hf(model_dir: pathlib.Path, images: Sequence[bytes], repeats: int) -
         shapes: list[tuple[int, int]] = []
         for start in range(0, len(items), HF_BATCH_ITEMS):
             t0 = time.perf_counter()
-            decoded = [decoder.decode(item) for item in items[start : start + HF_BATCH_ITEMS]]
+            decoded = [decoder.decode(item).media for item in items[start : start + HF_BATCH_ITEMS]]  # HF takes PIL images
             t1 = time.perf_counter()
             processed = processor(images=decoded, return_tensors="pt")
             t2 = time.perf_counter()

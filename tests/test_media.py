@@ -148,6 +148,22 @@ def test_images_decode_to_the_pixels_vllm_serve_gives_them():
     assert decode_image(rgb.getvalue(), max_pixels=100).tobytes() == landscape.tobytes()
 
 
+def test_vllms_processor_takes_a_decoded_image_as_it_is():
+    """The decoder hands vLLM its loader's own result, image and source bytes together, as
+    ``vllm serve`` does: vLLM's parser passes it to the processor as it is. A bare PIL image would
+    be normalized once more, which copies every image."""
+    from vllm.multimodal.media import MediaWithBytes
+    from vllm.multimodal.parse import MultiModalDataParser
+
+    from epd.media.image import decode_image
+
+    data = synthetic_image_png(64, 48, seed=5)
+    decoded = decode_image(data, max_pixels=1 << 20)
+    assert isinstance(decoded, MediaWithBytes) and decoded.original_bytes == data and decoded.size == (64, 48)
+    parsed = MultiModalDataParser().parse_mm_data({"image": [decoded]})
+    assert parsed["image"].get(0) is decoded.media
+
+
 # vLLM's video loaders EPD's tested families use: Qwen2-VL's (Qwen2.5-VL, both Omni thinkers),
 # Qwen3-VL's, GLM-4.1V's duration-aware one, and the uniform OpenCV loader (InternVL, vLLM's default).
 VIDEO_LOADERS = ("qwen2_vl", "qwen3_vl", "opencv_dynamic", None)

@@ -67,7 +67,8 @@ class MediaDecoder:
         return decoded
 
     def decode(self, item: MediaInput) -> Any:
-        """A PIL image, a :class:`DecodedVideo` or a ``DecodedAudio``.
+        """An image (vLLM's ``MediaWithBytes`` of a PIL image: :func:`epd.media.image.decode_image`),
+        a :class:`DecodedVideo` or a ``DecodedAudio``.
 
         Raises:
             MediaError: the item cannot be decoded, or breaks a limit.

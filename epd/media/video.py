@@ -125,7 +125,7 @@ def decode_video_frames(source: VideoFrames, sampling: VideoSampling, loading: V
     except (ValueError, ZeroDivisionError) as exc:
         raise _loader_error(exc, sampling, field, "cannot be sampled") from exc
     _check_cap(len(indices), sampling)
-    frames = [np.asarray(decode_image(source.frames[i].data, max_pixels=limits.max_image_pixels, field=f"{field}.frames[{i}].data")) for i in indices]
+    frames = [np.asarray(decode_image(source.frames[i].data, max_pixels=limits.max_image_pixels, field=f"{field}.frames[{i}].data").media) for i in indices]
     if len({f.shape for f in frames}) > 1:
         raise MediaError(f"{field}.frames", f"must all have one size; got {sorted({f.shape[1::-1] for f in frames})}")
     return DecodedVideo(np.stack(frames), metadata)
