@@ -15,7 +15,11 @@ encoder ran, on the same images.
   in batches of up to 16 images (the old encoder's ``max_batch_items``), fp32. Items per second
   count decode, processor and tower (no gRPC, no publishing); their split is reported too.
 
-Both must agree on every item's embedding shape (rows x width), so they did the same work.
+Both must agree on every item's embedding shape (rows x width), so they did the same work. Their
+timed passes take turns (an HF pass, then a service pass), so that the ratio compares them on
+the same host: the HF baseline alone moved by 10% between runs minutes apart here. The idle
+service takes about 3% of a core during an HF pass (its NIXL progress threads' fallback wake-ups,
+``epd.transport.wire.agent.PROGRESS_WAKEUP_US``, and its lease reaper).
 
 Where a pass's time goes: the CPU-seconds of the service's processes (its engine core included)
 and of this process (the gRPC client, on the same cores), against the pass's wall time; and the
@@ -39,7 +43,7 @@ import shlex
 import statistics
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from bench.common import RESULTS_DIR, command_line, cpu_seconds, progress, summarize, write_result
@@ -121,10 +125,12 @@ def run(
     images = build_images(num_items)
     items = image_items(images)
     progress(f"{NAME}: {num_items} JPEGs of {IMAGE_EDGE_PX[0]}-{IMAGE_EDGE_PX[1]} px, {repeats} repeats, {model}")
-    hf = measure_hf(model, images, repeats)
-    progress(f"{NAME}: hf_tower {hf['items_per_s']['median']:.1f} items/s")
+    hf_pipeline = HfPipeline(model, images)
     with encoder_service(model) as encoder:
-        service = measure_encoder(encoder, items, repeats)
+        # The two take turns pass by pass (the service idle meanwhile), so the ratio sees one host.
+        service = measure_encoder(encoder, items, repeats, alternate_with=hf_pipeline.one_pass)
+        hf = hf_pipeline.result()
+        progress(f"{NAME}: hf_tower {hf['items_per_s']['median']:.1f} items/s")
         progress(f"{NAME}: vllm_service {service['items_per_s']['median']:.1f} items/s, {service['mean_batch_items']:.1f} items per engine step")
         grid = measure_sweep(encoder, items, repeats, *sweep)
         video = measure_encoder(encoder, build_videos(clips), repeats, concurrency=CLIP_CONCURRENCY)
@@ -221,49 +227,63 @@ def _public(measured: dict[str, Any]) -> dict[str, Any]:
 # --- the old encoder: HF processor and tower, in this process --------------------------------------
 
 
-def measure_hf(model_dir: pathlib.Path, images: Sequence[bytes], repeats: int) -> dict[str, Any]:
-    """Items/s of decode + HF processor + ``get_image_features`` in batches of ``HF_BATCH_ITEMS``."""
-    import torch
-    from transformers import AutoImageProcessor, Qwen2_5_VLForConditionalGeneration
+class HfPipeline:
+    """The old encoder, in this process: decode + HF processor + ``get_image_features`` in
+    batches of ``HF_BATCH_ITEMS``. Its passes are taken one at a time (:meth:`one_pass`), so that
+    they can alternate with the service's and the host's drift hits both alike."""
 
-    from epd.media import MediaLimits
-    from epd.media.decode import MediaDecoder
+    def __init__(self, model_dir: pathlib.Path, images: Sequence[bytes]) -> None:
+        import torch
+        from transformers import AutoImageProcessor, Qwen2_5_VLForConditionalGeneration
 
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
-    processor = AutoImageProcessor.from_pretrained(model_dir)
-    decoder = MediaDecoder.for_model(model_dir, MediaLimits())
-    items = [MediaInput(Modality.IMAGE, MediaFile(data, "image/jpeg")) for data in images]
+        from epd.media import MediaLimits
+        from epd.media.decode import MediaDecoder
 
-    def one_pass() -> tuple[dict[str, float], list[tuple[int, int]]]:
-        seconds = {"decode": 0.0, "processor": 0.0, "tower": 0.0}
+        self._model = Qwen2_5_VLForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self._processor = AutoImageProcessor.from_pretrained(model_dir)
+        self._decoder = MediaDecoder.for_model(model_dir, MediaLimits())
+        self._items = [MediaInput(Modality.IMAGE, MediaFile(data, "image/jpeg")) for data in images]
+        self._passes: list[tuple[dict[str, float], list[tuple[int, int]]]] = []
+        self._run()  # warm-up: first-call allocations and lazy initialization
+
+    def one_pass(self) -> None:
+        self._passes.append(self._run())
+
+    def result(self) -> dict[str, Any]:
+        """Items/s and where the time went, over the passes taken."""
+        import torch
+
+        passes = self._passes
+        totals = [sum(seconds[stage] for stage in HF_STAGES) for seconds, _ in passes]
+        return {
+            "items_per_s": summarize([len(self._items) / total for total in totals]),
+            "seconds": summarize(totals),
+            "cpu_s": summarize([seconds["cpu"] for seconds, _ in passes]),
+            "cores_busy": summarize([seconds["cpu"] / total for (seconds, _), total in zip(passes, totals, strict=True)]),
+            "stage_seconds_median": {stage: statistics.median(seconds[stage] for seconds, _ in passes) for stage in HF_STAGES},
+            "torch_threads": torch.get_num_threads(),
+            "shapes": passes[0][1],
+        }
+
+    def _run(self) -> tuple[dict[str, float], list[tuple[int, int]]]:
+        import torch
+
+        seconds = dict.fromkeys(HF_STAGES, 0.0)
         cpu_started = time.process_time()
         shapes: list[tuple[int, int]] = []
-        for start in range(0, len(items), HF_BATCH_ITEMS):
+        for start in range(0, len(self._items), HF_BATCH_ITEMS):
             t0 = time.perf_counter()
-            decoded = [decoder.decode(item).media for item in items[start : start + HF_BATCH_ITEMS]]  # HF takes PIL images
+            decoded = [self._decoder.decode(item).media for item in self._items[start : start + HF_BATCH_ITEMS]]  # HF takes PIL images
             t1 = time.perf_counter()
-            processed = processor(images=decoded, return_tensors="pt")
+            processed = self._processor(images=decoded, return_tensors="pt")
             t2 = time.perf_counter()
             with torch.inference_mode():
-                output = model.model.get_image_features(processed["pixel_values"], processed["image_grid_thw"])
+                output = self._model.model.get_image_features(processed["pixel_values"], processed["image_grid_thw"])
             t3 = time.perf_counter()
             shapes += [(int(e.shape[0]), int(e.shape[1])) for e in output.pooler_output]
             for stage, elapsed in (("decode", t1 - t0), ("processor", t2 - t1), ("tower", t3 - t2)):
                 seconds[stage] += elapsed
         return seconds | {"cpu": time.process_time() - cpu_started}, shapes
-
-    one_pass()  # warm-up: first-call allocations and lazy initialization
-    passes = [one_pass() for _ in range(repeats)]
-    totals = [sum(seconds[stage] for stage in HF_STAGES) for seconds, _ in passes]
-    return {
-        "items_per_s": summarize([len(items) / total for total in totals]),
-        "seconds": summarize(totals),
-        "cpu_s": summarize([seconds["cpu"] for seconds, _ in passes]),
-        "cores_busy": summarize([seconds["cpu"] / total for (seconds, _), total in zip(passes, totals, strict=True)]),
-        "stage_seconds_median": {stage: statistics.median(seconds[stage] for seconds, _ in passes) for stage in HF_STAGES},
-        "torch_threads": torch.get_num_threads(),
-        "shapes": passes[0][1],
-    }
 
 
 # --- the encoder service: vLLM's encoder-only engine ----------------------------------------------
@@ -289,12 +309,21 @@ def image_items(images: Sequence[bytes]) -> list[MediaInput]:
     return [MediaInput(Modality.IMAGE, MediaFile(data, "image/jpeg")) for data in images]
 
 
-def measure_encoder(encoder, items: Sequence[MediaInput], repeats: int, *, concurrency: int | None = None, items_per_call: int = 1) -> dict[str, Any]:
+def measure_encoder(
+    encoder,
+    items: Sequence[MediaInput],
+    repeats: int,
+    *,
+    concurrency: int | None = None,
+    items_per_call: int = 1,
+    alternate_with: Callable[[], None] | None = None,
+) -> dict[str, Any]:
     """Items/s of a running encoder service (a :class:`cli.launcher.ServiceProcess`): ``items`` in
     Encode calls of ``items_per_call``, at most ``concurrency`` calls in flight (None: every call
     at once, saturation). Also where each pass's time went: the CPU of the service's processes
     and of this process (the gRPC client, on the same cores), and the service's phases
-    (``epd_encoder_phase_seconds``)."""
+    (``epd_encoder_phase_seconds``). ``alternate_with`` runs before each pass (another
+    encoder's pass, to be compared with this one)."""
     from epd.telemetry import scrape
 
     modality = items[0].modality.value
@@ -302,6 +331,8 @@ def measure_encoder(encoder, items: Sequence[MediaInput], repeats: int, *, concu
     asyncio.run(_send(encoder.address, items[:2], salt="warm-up"))
     passes = []
     for repeat in range(repeats):
+        if alternate_with is not None:
+            alternate_with()
         before, service_cpu, client_cpu = scrape(encoder.metrics_port), sum(cpu_seconds(encoder).values()), time.process_time()
         seconds, shapes = asyncio.run(_send(encoder.address, items, salt=f"repeat-{repeat}-{concurrency}-{items_per_call}", concurrency=concurrency, items_per_call=items_per_call))
         client_cpu, service_cpu = time.process_time() - client_cpu, sum(cpu_seconds(encoder).values()) - service_cpu
@@ -445,7 +476,7 @@ def report(doc: dict) -> list[str]:
         f"leases released; {fmt(service['mean_batch_items'], 1)} items per engine step, {fmt(service['calls_per_engine_request'], 1)} calls per engine request, "
         f"mean Encode call {fmt(service['mean_encode_call_ms'], 1)} ms |",
         f"| hf_tower | {fmt(hf['items_per_s']['median'])} | {fmt(hf['seconds']['median'], 3)} | in-process decode + HF processor + get_image_features, "
-        f"batches of {cfg['hf_batch_items']}, {hf['torch_threads']} torch threads; {stages} |",
+        f"batches of {cfg['hf_batch_items']}, {hf['torch_threads']} torch threads, its passes taking turns with the service's; {stages} |",
     ]
     for modality in ("video", "audio"):
         if modality in results:

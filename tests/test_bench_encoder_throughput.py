@@ -29,9 +29,10 @@ def positive(value: object) -> bool:
 def test_smoke_run_writes_the_schema(family_stack, tmp_path: pathlib.Path) -> None:
     model = pathlib.Path(family_stack.model)
     images = encoder_throughput.build_images(4)
-    hf = encoder_throughput.measure_hf(model, images, repeats=1)
+    hf_pipeline = encoder_throughput.HfPipeline(model, images)
     encoder = family_stack.encoder
-    service = encoder_throughput.measure_encoder(encoder, encoder_throughput.image_items(images), repeats=1)
+    service = encoder_throughput.measure_encoder(encoder, encoder_throughput.image_items(images), repeats=1, alternate_with=hf_pipeline.one_pass)
+    hf = hf_pipeline.result()
     sweep = encoder_throughput.measure_sweep(encoder, encoder_throughput.image_items(images), 1, (1, 2), (1, 4))
     video = encoder_throughput.measure_encoder(encoder, encoder_throughput.build_videos(2), repeats=1, concurrency=2)
     payload = encoder_throughput.build_payload(model, 1, hf, service, sweep=sweep, video=video)
