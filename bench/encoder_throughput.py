@@ -333,12 +333,12 @@ def measure_encoder(
     for repeat in range(repeats):
         if alternate_with is not None:
             alternate_with()
-        before, service_cpu, client_cpu = scrape(encoder.metrics_port), sum(cpu_seconds(encoder).values()), time.process_time()
+        before, service_cpu_before, client_cpu_before = scrape(encoder.metrics_port), sum(cpu_seconds(encoder).values()), time.process_time()
         seconds, shapes = asyncio.run(_send(encoder.address, items, salt=f"repeat-{repeat}-{concurrency}-{items_per_call}", concurrency=concurrency, items_per_call=items_per_call))
-        client_cpu, service_cpu = time.process_time() - client_cpu, sum(cpu_seconds(encoder).values()) - service_cpu
+        cpu = {"service_cpu_s": sum(cpu_seconds(encoder).values()) - service_cpu_before, "client_cpu_s": time.process_time() - client_cpu_before}
         after = scrape(encoder.metrics_port)
         delta = {key: after.get(key, 0.0) - before.get(key, 0.0) for key in counters}
-        passes.append((seconds, shapes, delta | {"service_cpu_s": service_cpu, "client_cpu_s": client_cpu}))
+        passes.append((seconds, shapes, delta | cpu))
     total = {key: sum(delta[key] for _, _, delta in passes) for key in counters}
     steps, batch_items, call_seconds, calls = (total[f"{name}{{modality={modality}}}"] for name in _COUNTERS)
     joined_calls, requests = (total[key] for key in _REQUEST_COUNTERS)
@@ -455,7 +455,6 @@ def _where_the_time_goes(service: dict, hf: dict) -> list[str]:
         "(`epd_encoder_phase_seconds`).",
         "",
     ]
-
 
 
 def report(doc: dict) -> list[str]:
