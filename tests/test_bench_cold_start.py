@@ -91,6 +91,27 @@ def test_quick_cold_run_writes_the_schema(tmp_path: pathlib.Path) -> None:
     report = write_report(tmp_path, out=tmp_path / "BENCHMARKS.md").read_text()
     assert "## Encoder cold start" in report and "Command: `pytest`" in report and "| encoder_only | cold | 1 of 3 | 1," in report
     assert "| mode | page cache | imports and gRPC port |" in report
+    assert "Goal: the encoder-only service ready in ≤ ×0.6 of a full engine's time, page cache warm and cold: cold ×" in report
+
+
+def _start(cache: str, mode: str, ready: float, before_the_engine: float) -> dict:
+    phases = {"imports and gRPC port": 1.0, "vLLM import and config": before_the_engine - 1.0, "model load": 0.5}
+    return {"page_cache": cache, "mode": mode, "seconds_to_ready": {"median": ready}, "phases_seconds": phases}
+
+
+def test_the_goal_is_judged_per_page_cache_against_what_no_engine_setting_removes() -> None:
+    met = cold_start.goal_lines([_start("warm", "full_engine", 10, 6), _start("warm", "encoder_only", 5, 4)])
+    assert met == ["Goal: the encoder-only service ready in ≤ ×0.6 of a full engine's time, page cache warm and cold: warm ×0.50: met.", ""]
+    # Warm misses the goal; its imports before the engine alone take more than the goal allows.
+    judged, floor, _ = cold_start.goal_lines(
+        [_start("warm", "full_engine", 10, 6), _start("warm", "encoder_only", 9, 7), _start("cold", "full_engine", 10, 6), _start("cold", "encoder_only", 5, 4)]
+    )
+    assert judged.endswith(": warm ×0.90, cold ×0.50: NOT met.")
+    assert "already spent ×0.70 (warm) and ×0.40 (cold) of a full engine's time" in floor
+    assert floor.endswith("removing engine work cannot meet the goal on this host.")
+    # Imports within the goal: what is left is the engine's.
+    _, engine_bound, _ = cold_start.goal_lines([_start("warm", "full_engine", 10, 6), _start("warm", "encoder_only", 8, 5)])
+    assert engine_bound.endswith("what is left to cut is in the engine's own start.")
 
 
 def test_a_start_is_read_from_the_services_own_lines() -> None:
