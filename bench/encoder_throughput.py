@@ -439,8 +439,6 @@ if __name__ == "__main__":
 def _where_the_time_goes(service: dict, hf: dict) -> list[str]:
     """CPU against wall time per pass, and the service's phases: whether the service is short of
     CPU or leaves cores idle, and in which phase a call waits."""
-    if "service_cpu_s" not in service:  # a result from before these were measured
-        return []
     phases = service["phase_mean_ms"]
     labels = {"decode": "decode", "queue": "waiting for an engine request", "render": "vLLM's processor", "engine": "the engine (scheduler, tower, arena write)"}
 
